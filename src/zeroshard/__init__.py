@@ -1,0 +1,1 @@
+"""zeroshard: ZeRO stages for PyTorch."""

@@ -1,0 +1,34 @@
+"""Frozen typed settings, enums and errors. Imports nothing internal."""
+
+from zeroshard.policies.errors import (
+    CheckpointError,
+    CommError,
+    CommTimeoutError,
+    ConfigError,
+    NotSupportedYetError,
+    ZeroShardError,
+)
+from zeroshard.policies.settings import (
+    BatchPolicy,
+    CommsLoggerPolicy,
+    LossScalePolicy,
+    OffloadDevice,
+    OffloadPolicy,
+    OptimizerSpec,
+    Precision,
+    PrecisionPolicy,
+    RuntimePolicy,
+    SchedulerSpec,
+    Settings,
+    Stage,
+    Stage3Policy,
+    ZeroPlusPlusPolicy,
+    ZeroPolicy,
+)
+
+__all__ = [
+    "BatchPolicy", "CheckpointError", "CommError", "CommTimeoutError", "CommsLoggerPolicy",
+    "ConfigError", "LossScalePolicy", "NotSupportedYetError", "OffloadDevice", "OffloadPolicy",
+    "OptimizerSpec", "Precision", "PrecisionPolicy", "RuntimePolicy", "SchedulerSpec", "Settings",
+    "Stage", "Stage3Policy", "ZeroPlusPlusPolicy", "ZeroPolicy", "ZeroShardError",
+]

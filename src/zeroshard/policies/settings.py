@@ -1,0 +1,192 @@
+"""Frozen, typed settings the engine runs on. Built by `zeroshard.config`, read everywhere else.
+
+This module imports nothing internal: it is the bottom of the layer chain.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+
+class Stage(enum.IntEnum):
+    """ZeRO stage: what each rank shards beyond plain data parallelism."""
+
+    DATA_PARALLEL = 0
+    OPTIMIZER_STATES = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+class Precision(str, enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+    @classmethod
+    def from_dtype(cls, dtype: torch.dtype) -> "Precision":
+        for p in cls:
+            if p.dtype == dtype:
+                return p
+        raise ValueError(f"no precision for dtype {dtype}")
+
+
+class OffloadDevice(str, enum.Enum):
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """train_batch_size == micro_batch_size * gradient_accumulation_steps * data-parallel size."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+@dataclass(frozen=True)
+class LossScalePolicy:
+    """fp16 loss scaling, DeepSpeed's knobs. `static_scale` 0 means dynamic scaling."""
+
+    static_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.static_scale == 0.0
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Dtypes of each kind of state. Master weights and optimizer states are fp32."""
+
+    compute: Precision = Precision.FP32
+    reduce: Precision = Precision.FP32
+    master: Precision = Precision.FP32
+    optimizer_states: Precision = Precision.FP32
+    loss_scale: LossScalePolicy | None = None  # set iff compute is fp16
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where a kind of state lives (`offload_optimizer` / `offload_param`)."""
+
+    device: OffloadDevice = OffloadDevice.NONE
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class Stage3Policy:
+    """Stage 3 knobs, in elements unless named otherwise."""
+
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    model_persistence_threshold: int = 2**63 - 1
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    gather_16bit_weights_on_model_save: bool = False
+    module_granularity_threshold: int = 0
+    use_all_reduce_for_fetch_params: bool = False
+    allgather_sequential: bool = False
+    unit_classes: tuple[str, ...] = ()  # leaf_module.classes: module class names gathered as one unit
+
+
+@dataclass(frozen=True)
+class ZeroPlusPlusPolicy:
+    """ZeRO++: qwZ, hpZ, qgZ."""
+
+    quantized_weights: bool = False
+    quantized_nontrainable_weights: bool = False
+    hpz_partition_size: int = 1
+    quantized_gradients: bool = False
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """`zero_optimization`. Bucket sizes are in elements, as in DeepSpeed."""
+
+    stage: Stage = Stage.DATA_PARALLEL
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    sub_group_size: int = 1_000_000_000
+    ignore_unused_parameters: bool = True
+    compute_grad_norm: bool = True
+    offload_optimizer: OffloadPolicy = field(default_factory=OffloadPolicy)
+    offload_param: OffloadPolicy = field(default_factory=OffloadPolicy)
+    stage3: Stage3Policy = field(default_factory=Stage3Policy)
+    zeropp: ZeroPlusPlusPolicy = field(default_factory=ZeroPlusPlusPolicy)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """`optimizer` section: `type` lower-cased ("adam", "adamw", "sgd", ...), `params` as given."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """`scheduler` section: `type` as DeepSpeed spells it ("WarmupLR", ...), `params` as given."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommsLoggerPolicy:
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    debug: bool = False
+    prof_ops: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RuntimePolicy:
+    """zeroshard's own knobs (the `zeroshard` block of a config)."""
+
+    comm_timeout_s: float = 600.0  # every collective fails loudly after this long
+    cast_forward_inputs: bool = True  # floating inputs are cast to the compute dtype
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole validated configuration. `notes` are start-up messages (ignored keys, aliases)."""
+
+    batch: BatchPolicy
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    zero: ZeroPolicy = field(default_factory=ZeroPolicy)
+    optimizer: OptimizerSpec | None = None
+    scheduler: SchedulerSpec | None = None
+    gradient_clipping: float = 0.0  # 0 = no clipping
+    steps_per_print: int | None = None
+    wall_clock_breakdown: bool = False
+    comms_logger: CommsLoggerPolicy = field(default_factory=CommsLoggerPolicy)
+    runtime: RuntimePolicy = field(default_factory=RuntimePolicy)
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
