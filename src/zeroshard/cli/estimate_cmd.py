@@ -1,0 +1,216 @@
+"""`zeroshard estimate`: memory, communication and step time of every stage and offload.
+
+Also home of the arguments `plan` shares (model source, cluster, workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from rich.console import Console
+from rich.table import Table
+
+from zeroshard.estimate import (
+    GPUS, INTER_NODE_LINKS, Cluster, ModelShape, OffloadDevice, Stage, Strategy, Workload, evaluate, gpu_spec,
+    inter_node_link, parse_bytes, shape_from_callable, shape_from_hf_config, shape_from_params,
+)
+from zeroshard.estimate.planner import _bucket_sizes
+from zeroshard.estimate.units import GIB
+from zeroshard.policies import ConfigError, ZeroShardError
+
+DEFAULT_GPU = "a100-80gb"
+DEFAULT_INTER_NODE = "ib-hdr-8x"
+DEFAULT_CPU_MEM = "512GiB"
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (one of)")
+    src = m.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="parameter count, e.g. 7B, 350M, 1.3e9")
+    src.add_argument("--hf-config", metavar="CONFIG_JSON", help="a Hugging Face config.json (no weights read)")
+    src.add_argument("--model", metavar="MODULE:CALLABLE", help="builds an nn.Module; run on the meta device")
+    m.add_argument("--layers", type=int, help="decoder layers (activations); inferred from --params if absent")
+    m.add_argument("--hidden", type=int, help="hidden size (activations, bucket sizes)")
+    m.add_argument("--heads", type=int, help="attention heads")
+    m.add_argument("--vocab", type=int, help="vocabulary size (logits)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--gpus-per-node", type=int, default=1)
+    c.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU type ({', '.join(GPUS)}); default {DEFAULT_GPU}")
+    c.add_argument("--gpu-mem", help="override the GPU's memory, e.g. 24GiB")
+    c.add_argument("--cpu-mem", default=DEFAULT_CPU_MEM, help=f"host memory per node (default {DEFAULT_CPU_MEM})")
+    c.add_argument("--nvme", default="0", help="NVMe capacity per node for ZeRO-Infinity, e.g. 3.84TB (default none)")
+    c.add_argument("--inter-node", default=DEFAULT_INTER_NODE,
+                   help=f"inter-node link ({', '.join(INTER_NODE_LINKS)}); default {DEFAULT_INTER_NODE}")
+    c.add_argument("--inter-node-bw", type=float, help="override: inter-node GB/s per node, one direction")
+    c.add_argument("--flops", type=float, help="achievable TFLOP/s per GPU (default: 40%% of the GPU's peak)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--seq-len", type=int, default=2048)
+    w.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step")
+    w.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    w.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    w.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, sgd-momentum, lion, adagrad")
+    w.add_argument("--optimizer-bytes", type=int, help="K: optimizer bytes per parameter incl. fp32 master")
+    w.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto",
+                   help="plan: auto tries off then on; estimate: auto means off")
+    w.add_argument("--no-flash-attention", action="store_true", help="count stored attention scores")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as integers)")
+
+
+def read_shape(args) -> ModelShape:
+    kw = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab)
+    for k, v in kw.items():
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{k} must be positive, got {v}")
+    if args.params is not None:
+        return shape_from_params(args.params, **kw)
+    if args.hf_config is not None:
+        shape = shape_from_hf_config(args.hf_config)
+        return replace(shape, **{k: v for k, v in kw.items() if v})
+    return shape_from_callable(args.model, **kw)
+
+
+def read_cluster(args) -> Cluster:
+    gpu = gpu_spec(args.gpu)
+    if args.gpu_mem:
+        gpu = replace(gpu, memory=parse_bytes(args.gpu_mem, "--gpu-mem"))
+        if gpu.memory <= 0:
+            raise ConfigError("--gpu-mem must be positive")
+    if args.inter_node_bw is not None:
+        if args.inter_node_bw <= 0:
+            raise ConfigError(f"--inter-node-bw must be positive, got {args.inter_node_bw}")
+        inter = args.inter_node_bw * 1e9
+    else:
+        inter = inter_node_link(args.inter_node).bw_per_node
+    if args.flops is not None and args.flops <= 0:
+        raise ConfigError(f"--flops must be positive, got {args.flops}")
+    return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=gpu, inter_node_bw=inter,
+                   host_mem=parse_bytes(args.cpu_mem, "--cpu-mem"), nvme=parse_bytes(args.nvme, "--nvme"),
+                   achieved_flops=args.flops * 1e12 if args.flops else None)
+
+
+def read_workload(args) -> Workload:
+    ac = {"auto": None, "on": True, "off": False}[args.activation_checkpointing]
+    if args.optimizer_bytes is not None and args.optimizer_bytes < 0:
+        raise ConfigError(f"--optimizer-bytes must not be negative, got {args.optimizer_bytes}")
+    return Workload(seq=args.seq_len, micro_batch=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
+                    precision=args.precision, optimizer=args.optimizer, optimizer_bytes=args.optimizer_bytes,
+                    activation_checkpointing=ac, flash_attention=not args.no_flash_attention)
+
+
+def guarded(fn):
+    """Known errors print one line and exit 2; no tracebacks for bad input."""
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except (ZeroShardError, ValueError) as e:
+            print(f"zeroshard {args.command or ''}: error: {e}".replace("  ", " "), file=sys.stderr)
+            return 2
+    return run
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.1f}"
+
+
+ALL_COMBINATIONS = (  # (stage, offload_optimizer, offload_param, zero++)
+    (0, "none", "none", False), (1, "none", "none", False), (2, "none", "none", False), (3, "none", "none", False),
+    (3, "none", "none", True),
+    (1, "cpu", "none", False), (2, "cpu", "none", False), (3, "cpu", "none", False), (3, "cpu", "cpu", False),
+    (3, "nvme", "none", False), (3, "nvme", "cpu", False), (3, "nvme", "nvme", False),
+)
+
+
+def all_candidates(shape, cluster, work):
+    ac = bool(work.activation_checkpointing)
+    out = []
+    for st, oo, op, zpp in ALL_COMBINATIONS:
+        if zpp and cluster.world_size == 1:
+            continue
+        kw = dict(quantized_weights=True, quantized_gradients=True,
+                  hpz_partition_size=cluster.gpus_per_node if cluster.nodes > 1 else 1) if zpp else {}
+        s = Strategy(stage=Stage(st), precision=work.precision, optimizer=work.optimizer,
+                     optimizer_bytes=work.optimizer_bytes, offload_optimizer=OffloadDevice(oo),
+                     offload_param=OffloadDevice(op), activation_checkpointing=ac, **kw, **_bucket_sizes(shape.hidden))
+        out.append(evaluate(shape, s, cluster, work))
+    return out
+
+
+def describe(shape: ModelShape, cluster: Cluster, work: Workload) -> str:
+    guess = " (layers/hidden inferred from the count)" if shape.shape_inferred else ""
+    return (f"model {shape.params:,} params, largest unit {shape.largest_unit:,}, {shape.layers} layers x "
+            f"hidden {shape.hidden}{guess} [{shape.source}]\n"
+            f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.name} "
+            f"({gib(cluster.gpu.memory)} GiB), N = {cluster.world_size}, host {gib(cluster.host_mem)} GiB/node, "
+            f"NVMe {gib(cluster.nvme)} GiB/node\n"
+            f"workload {work.precision.value}, {work.optimizer} (K = "
+            f"{Strategy(precision=work.precision, optimizer=work.optimizer, optimizer_bytes=work.optimizer_bytes).k}"
+            f" bytes/param), seq {work.seq}, micro-batch {work.micro_batch}, grad-accum "
+            f"{work.gradient_accumulation_steps}")
+
+
+def candidate_table(cands, title: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in ("config", "params", "grads", "optim", "hpZ+live+buf", "activ.", "device", "host/node",
+                "nvme/node", "comm (Φ)", "sent intra/inter GiB", "step s", "fits"):
+        t.add_column(col, justify="left" if col in ("config", "fits") else "right")
+    for c in cands:
+        m, tm = c.memory, c.time
+        t.add_row(c.label(), gib(m.params), gib(m.grads), gib(m.optimizer_states),
+                  gib(m.hpz_secondary + m.live_params + m.buffers), gib(m.activations), gib(m.device_total),
+                  gib(m.host_per_node), gib(m.nvme_per_node), f"{c.comm.paper_units:.2f}",
+                  f"{gib(c.comm.total('intra_bytes'))} / {gib(c.comm.total('inter_bytes'))}", f"{tm.step:.2f}",
+                  "[green]yes[/]" if c.fits else f"[red]no[/] {c.why_not()}")
+    return t
+
+
+def comm_table(cands) -> Table:
+    t = Table(title="communication per step per rank (paper units: AG/RS = elements, AR = 2 x elements; "
+                    "sent = ring bytes, (n-1)/n)", title_justify="left")
+    for col in ("config", "phase", "collective", "dtype", "calls", "elements", "paper units", "payload GiB",
+                "sent GiB", "intra GiB", "inter GiB"):
+        t.add_column(col, justify="left" if col in ("config", "phase", "collective", "dtype") else "right")
+    seen = set()
+    for c in cands:
+        key = (c.strategy.stage, c.strategy.zeropp)
+        if key in seen:
+            continue
+        seen.add(key)
+        for col in c.comm.collectives:
+            t.add_row(c.label(), col.phase, f"{col.op} {col.what}", col.dtype, str(col.calls), f"{col.elements:,}",
+                      f"{col.paper_elements / c.comm.params:.2f} Φ", gib(col.bytes), gib(col.sent_bytes),
+                      gib(col.intra_bytes), gib(col.inter_bytes))
+    return t
+
+
+@guarded
+def run(args) -> int:
+    shape, cluster, work = read_shape(args), read_cluster(args), read_workload(args)
+    cands = all_candidates(shape, cluster, work)
+    if args.json:
+        print(json.dumps({"model": {"params": shape.params, "largest_unit": shape.largest_unit,
+                                    "largest_layer": shape.largest_layer, "layers": shape.layers,
+                                    "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab,
+                                    "source": shape.source, "shape_inferred": shape.shape_inferred},
+                          "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
+                                      "gpu": cluster.gpu.name, "gpu_memory": cluster.gpu.memory,
+                                      "host_memory_per_node": cluster.host_mem, "nvme_per_node": cluster.nvme},
+                          "candidates": [c.as_dict() for c in cands]}, indent=2))
+        return 0
+    con = Console(width=200)
+    con.print(describe(shape, cluster, work))
+    con.print(candidate_table(cands, "memory (GiB per device unless marked), communication and step time"))
+    con.print(comm_table(cands))
+    con.print("Activations are not sharded by any ZeRO stage; activation checkpointing (--activation-checkpointing on)"
+              " shrinks them.")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("estimate", help="memory, communication and step time for every ZeRO stage",
+                              description=__doc__.splitlines()[0])
+    add_common_arguments(p)
+    p.set_defaults(func=run)

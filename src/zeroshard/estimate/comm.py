@@ -1,0 +1,154 @@
+"""Communication per optimizer step per rank, by collective, in elements and bytes.
+
+Two ways of counting, both reported:
+
+* paper units (`paper_elements`): the ZeRO paper's volume (Rajbhandari et al. 2019,
+  sec. 7): an all-gather or reduce-scatter of a Φ-element tensor moves Φ, an
+  all-reduce 2Φ. So stages 0, 1 and 2 move 2Φ per step and stage 3 moves 3Φ;
+  stage 1 and 2 cost no more than plain data parallelism.
+* bytes sent by this rank (`sent_bytes`): a ring over n ranks sends (n-1)/n of the
+  payload per all-gather or reduce-scatter (Thakur et al. 2005; what nccl-tests
+  calls algorithm bandwidth * (n-1)/n).
+
+Intra- vs inter-node split: a two-level (rail-aligned) collective over M nodes of k
+ranks sends S*(M-1)/(M*k) between nodes and S*(k-1)/k inside a node per rank for a
+payload of S bytes; the two add up to the flat ring's S*(N-1)/N.
+
+ZeRO++ (Wang et al. 2023): qwZ sends the forward all-gather as int8 with one fp32
+scale per block; hpZ serves the backward all-gather from a secondary copy sharded
+inside the node, so it never crosses nodes; qgZ replaces the gradient
+reduce-scatter with a two-hop all-to-all of int4 (or int8) values, intra-node then
+inter-node, each hop carrying only what the next needs.
+
+Gradient accumulation: stage 0 and 1 reduce once per step; stage 2 reduce-scatters
+every micro-step (no full gradient is kept); stage 3 also gathers every micro-step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from zeroshard.policies import ConfigError, Stage
+
+from zeroshard.estimate.memory import Strategy, shard
+from zeroshard.estimate.units import FP32_BYTES, INT8_BYTES
+
+__all__ = ["Collective", "CommEstimate", "estimate_comm", "ring_split", "QUANT_BLOCK_SIZE", "QUANT_SCALE_BYTES",
+           "QGZ_BITS"]
+
+QUANT_BLOCK_SIZE = 2048  # elements sharing one scale in qwZ / qgZ block quantization
+QUANT_SCALE_BYTES = FP32_BYTES  # one fp32 scale per block (bf16-native, see pain point 19)
+QGZ_BITS = 4  # ZeRO++ qgZ default: int4 gradients
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step, totalled over `calls` (micro-steps)."""
+
+    phase: str  # "forward", "backward", "step"
+    op: str  # "all_reduce", "reduce_scatter", "all_gather", "all_to_all"
+    what: str
+    dtype: str
+    calls: int  # per optimizer step
+    elements: int  # logical tensor elements per step (padded to a multiple of the group)
+    bytes: int  # logical tensor bytes per step (payload as sent, quantized where quantized)
+    paper_elements: int  # ZeRO paper units: AG/RS = elements, AR = 2 x elements
+    sent_bytes: int  # bytes this rank sends, all hops (ring (n-1)/n)
+    intra_bytes: int  # of sent_bytes, inside the node
+    inter_bytes: int  # of sent_bytes, between nodes
+    overlappable: bool  # can hide behind compute (bucketed during backward, or prefetched)
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    collectives: tuple[Collective, ...]
+    params: int
+
+    def total(self, key: str) -> int:
+        return sum(getattr(c, key) for c in self.collectives)
+
+    @property
+    def paper_units(self) -> float:
+        """Volume per step in units of Φ (the paper's 2Φ / 3Φ)."""
+        return self.total("paper_elements") / self.params
+
+    def as_dict(self) -> dict:
+        keys = ("elements", "bytes", "paper_elements", "sent_bytes", "intra_bytes", "inter_bytes")
+        return {"collectives": [asdict(c) for c in self.collectives],
+                "totals": {k: self.total(k) for k in keys}, "paper_units_of_params": self.paper_units}
+
+
+def ring_split(payload: float, nodes: int, per_node: int) -> tuple[int, int]:
+    """(intra, inter) bytes one rank sends in a two-level all-gather or reduce-scatter
+    of `payload` bytes over `nodes` x `per_node` ranks."""
+    n = nodes * per_node
+    inter = payload * (nodes - 1) / n
+    intra = payload * (per_node - 1) / per_node
+    return int(round(intra)), int(round(inter))
+
+
+def _quantized_bytes(elements: int, bits: int, n_shards: int) -> int:
+    per_shard = math.ceil(elements / n_shards)
+    scales = math.ceil(per_shard / QUANT_BLOCK_SIZE) * n_shards * QUANT_SCALE_BYTES
+    return int(math.ceil(elements * bits / 8)) + scales
+
+
+def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: int,
+                  gradient_accumulation_steps: int = 1) -> CommEstimate:
+    if gradient_accumulation_steps < 1:
+        raise ConfigError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+    s, gas = strategy, gradient_accumulation_steps
+    n = nodes * gpus_per_node
+    padded = shard(params, n) * n
+    dtype = s.precision.value
+    pb, gb = s.param_bytes, s.grad_bytes
+    out: list[Collective] = []
+
+    def add(phase, op, what, calls, elements, payload, overlap, group_nodes=nodes, group_per_node=gpus_per_node,
+            dtype_=dtype, split=None):
+        factor = 2 if op == "all_reduce" else 1
+        if split is None:
+            intra, inter = ring_split(payload, group_nodes, group_per_node)
+            intra, inter = factor * intra, factor * inter
+        else:
+            intra, inter = split
+        out.append(Collective(phase=phase, op=op, what=what, dtype=dtype_, calls=calls,
+                              elements=elements * calls, bytes=int(payload) * calls,
+                              paper_elements=factor * elements * calls, sent_bytes=(intra + inter) * calls,
+                              intra_bytes=intra * calls, inter_bytes=inter * calls, overlappable=overlap))
+
+    if s.stage == Stage.DATA_PARALLEL:
+        add("backward", "all_reduce", "gradients", 1, params, gb * params, s.overlap_comm)
+    elif s.stage in (Stage.OPTIMIZER_STATES, Stage.GRADIENTS):
+        rs_calls = 1 if s.stage == Stage.OPTIMIZER_STATES else gas
+        add("backward", "reduce_scatter", "gradients", rs_calls, padded, gb * padded,
+            s.stage == Stage.GRADIENTS and s.overlap_comm)
+        add("step", "all_gather", "updated parameters", 1, padded, pb * padded, False)
+    else:
+        if s.quantized_weights:
+            add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, padded,
+                _quantized_bytes(padded, 8 * INT8_BYTES, n), True, dtype_="int8")
+        else:
+            add("forward", "all_gather", "parameters", gas, padded, pb * padded, True)
+        if s.hpz_partition_size > 1:
+            hp = s.hpz_partition_size
+            if gpus_per_node % hp:
+                raise ConfigError(f"zero_hpz_partition_size {hp} must divide gpus per node {gpus_per_node}")
+            hp_padded = shard(params, hp) * hp
+            add("backward", "all_gather", f"parameters (hpZ, within {hp} ranks)", gas, hp_padded,
+                pb * hp_padded, True, group_nodes=1, group_per_node=hp)
+        else:
+            add("backward", "all_gather", "parameters", gas, padded, pb * padded, True)
+        if s.quantized_gradients:
+            # hop 1: all-to-all inside the node of the full gradient, int4 + scales;
+            # hop 2: all-to-all across nodes of the node-reduced 1/k slice, int4 + scales.
+            payload = _quantized_bytes(padded, QGZ_BITS, n)
+            intra = payload * (gpus_per_node - 1) / gpus_per_node
+            inter = (payload / gpus_per_node) * (nodes - 1) / nodes
+            add("backward", "all_to_all", f"gradients (qgZ int{QGZ_BITS}, 2-hop)", gas, padded, payload, True,
+                dtype_=f"int{QGZ_BITS}", split=(int(round(intra)), int(round(inter))))
+        else:
+            add("backward", "reduce_scatter", "gradients", gas, padded, gb * padded, True)
+    return CommEstimate(collectives=tuple(out), params=params)
+

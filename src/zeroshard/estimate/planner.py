@@ -1,0 +1,306 @@
+"""The advisor: which stage, which offload, which ZeRO++ knobs, and why.
+
+Decision route (each step only when the one before fits nowhere):
+1. no offload, no activation checkpointing: the smallest stage that fits
+   (stages 1 and 2 cost no more communication than stage 0, stage 3 costs 1.5x);
+2. the same with activation checkpointing (a third more compute, no traffic);
+3. optimizer offload to host (stages 1, 2, 3), then parameters too (stage 3);
+4. NVMe offload (ZeRO-Infinity), optimizer then parameters;
+5. fits nowhere: the smallest cluster of the same GPUs that fits.
+When the winner is stage 3 on several nodes and inter-node traffic takes at least
+INTER_NODE_BOTTLENECK_FRACTION of the step, ZeRO++ variants are tried and the
+fastest one that fits wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from zeroshard.policies import ConfigError, OffloadDevice, Precision, Stage
+
+from zeroshard.estimate.activations import activation_bytes
+from zeroshard.estimate.comm import CommEstimate, estimate_comm
+from zeroshard.estimate.hardware import Cluster
+from zeroshard.estimate.memory import MemoryEstimate, Strategy, device_budget, estimate_memory, host_budget
+from zeroshard.estimate.model_size import ModelShape
+from zeroshard.estimate.timing import TimeEstimate, estimate_time
+from zeroshard.estimate.units import GIB
+
+__all__ = ["Workload", "Candidate", "Plan", "evaluate", "plan", "candidate_strategies", "smallest_cluster",
+           "deepspeed_config", "INTER_NODE_BOTTLENECK_FRACTION", "ZEROPP_MIN_GAIN", "MAX_NODES"]
+
+INTER_NODE_BOTTLENECK_FRACTION = 0.25  # inter-node comm time / step time that calls for ZeRO++
+ZEROPP_MIN_GAIN = 0.02  # ZeRO++ must shorten the step by this fraction to be worth its quantization noise
+MAX_NODES = 65_536  # where the search for a cluster that fits gives up
+MAX_GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq: int = 2048
+    micro_batch: int = 1
+    gradient_accumulation_steps: int = 1
+    precision: Precision = Precision.BF16
+    optimizer: str = "adam"
+    optimizer_bytes: int | None = None
+    activation_checkpointing: bool | None = None  # None: the planner decides
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision(self.precision))
+        for name in ("seq", "micro_batch", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    memory: MemoryEstimate
+    comm: CommEstimate
+    time: TimeEstimate
+    device_budget: int
+    host_budget: int
+    nvme_budget: int
+
+    @property
+    def fits_device(self) -> bool:
+        return self.memory.device_total <= self.device_budget
+
+    @property
+    def fits_host(self) -> bool:
+        return self.memory.host_per_node <= self.host_budget
+
+    @property
+    def fits_nvme(self) -> bool:
+        return self.memory.nvme_per_node <= self.nvme_budget
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host and self.fits_nvme
+
+    def why_not(self) -> str:
+        reasons = []
+        if not self.fits_device:
+            reasons.append(f"device needs {self.memory.device_total / GIB:.1f} GiB > {self.device_budget / GIB:.1f} GiB usable")
+        if not self.fits_host:
+            reasons.append(f"host needs {self.memory.host_per_node / GIB:.1f} GiB/node > {self.host_budget / GIB:.1f} GiB usable")
+        if not self.fits_nvme:
+            reasons.append(f"NVMe needs {self.memory.nvme_per_node / GIB:.1f} GiB/node > {self.nvme_budget / GIB:.1f} GiB")
+        return "; ".join(reasons) or "fits"
+
+    def label(self) -> str:
+        return self.strategy.label() + (" +AC" if self.strategy.activation_checkpointing else "")
+
+    def as_dict(self) -> dict:
+        s = self.strategy
+        return {"label": self.label(), "stage": int(s.stage), "offload_optimizer": s.offload_optimizer.value,
+                "offload_param": s.offload_param.value, "quantized_weights": s.quantized_weights,
+                "hpz_partition_size": s.hpz_partition_size, "quantized_gradients": s.quantized_gradients,
+                "activation_checkpointing": s.activation_checkpointing, "fits": self.fits,
+                "fits_device": self.fits_device, "fits_host": self.fits_host, "fits_nvme": self.fits_nvme,
+                "device_budget": self.device_budget, "host_budget_per_node": self.host_budget,
+                "memory": self.memory.as_dict(), "time_s": self.time.as_dict(), "comm": self.comm.as_dict()}
+
+
+def evaluate(shape: ModelShape, strategy: Strategy, cluster: Cluster, work: Workload) -> Candidate:
+    acts = activation_bytes(work.seq, work.micro_batch, shape.hidden, shape.heads, shape.layers, shape.vocab,
+                            checkpointing=strategy.activation_checkpointing,
+                            flash_attention=work.flash_attention, act_bytes=strategy.param_bytes)
+    mem = estimate_memory(shape, strategy, cluster.world_size, cluster.gpus_per_node, acts)
+    comm = estimate_comm(shape.params, strategy, cluster.nodes, cluster.gpus_per_node,
+                         work.gradient_accumulation_steps)
+    t = estimate_time(shape, strategy, cluster, comm, work.seq, work.micro_batch, work.gradient_accumulation_steps)
+    return Candidate(strategy, mem, comm, t, device_budget(cluster.gpu.memory), host_budget(cluster.host_mem),
+                     cluster.nvme)
+
+
+def _base(work: Workload, **kw) -> Strategy:
+    return Strategy(precision=work.precision, optimizer=work.optimizer, optimizer_bytes=work.optimizer_bytes, **kw)
+
+
+N, C, V = OffloadDevice.NONE, OffloadDevice.CPU, OffloadDevice.NVME
+_ROUTE = (  # (stage, offload_optimizer, offload_param), grouped into tiers
+    ((0, N, N), (1, N, N), (2, N, N), (3, N, N)),
+    ((1, C, N), (2, C, N), (3, C, N), (3, C, C)),
+    ((3, V, N), (3, V, C), (3, V, V)),
+)
+
+
+def candidate_strategies(work: Workload, hidden: int | None = None) -> list[list[Strategy]]:
+    """The route as tiers of strategies, each tier without then with checkpointing."""
+    buckets = _bucket_sizes(hidden)
+    ac_options = [work.activation_checkpointing] if work.activation_checkpointing is not None else [False, True]
+    tiers = []
+    for tier in _ROUTE:
+        for ac in ac_options:
+            tiers.append([_base(work, stage=Stage(st), offload_optimizer=oo, offload_param=op,
+                                activation_checkpointing=ac, **buckets) for st, oo, op in tier])
+    return tiers
+
+
+def _bucket_sizes(hidden: int | None) -> dict:
+    """HF's heuristics for "auto" (transformers/integrations/deepspeed.py): h^2, 0.9 h^2."""
+    if not hidden:
+        return {}
+    return {"reduce_bucket_size": hidden * hidden, "prefetch_bucket_size": int(0.9 * hidden * hidden)}
+
+
+def _zeropp_variants(s: Strategy, cluster: Cluster) -> list[Strategy]:
+    out = [replace(s, quantized_weights=True, quantized_gradients=True)]
+    if cluster.gpus_per_node > 1:
+        out.append(replace(s, quantized_weights=True, quantized_gradients=True,
+                           hpz_partition_size=cluster.gpus_per_node))
+    return out
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    cluster: Cluster
+    work: Workload
+    candidates: list[Candidate] = field(default_factory=list)
+    winner: Candidate | None = None
+    route: list[str] = field(default_factory=list)
+    smallest_fit: tuple[Cluster, Candidate] | None = None  # when nothing fits as given
+
+    def as_dict(self) -> dict:
+        d = {"model": {"params": self.shape.params, "largest_unit": self.shape.largest_unit,
+                       "layers": self.shape.layers, "hidden": self.shape.hidden, "source": self.shape.source},
+             "cluster": {"nodes": self.cluster.nodes, "gpus_per_node": self.cluster.gpus_per_node,
+                         "gpu": self.cluster.gpu.name, "gpu_memory": self.cluster.gpu.memory},
+             "route": self.route, "candidates": [c.as_dict() for c in self.candidates],
+             "winner": self.winner.as_dict() if self.winner else None, "smallest_cluster": None}
+        if self.smallest_fit:
+            cl, cand = self.smallest_fit
+            d["smallest_cluster"] = {"nodes": cl.nodes, "gpus_per_node": cl.gpus_per_node,
+                                     "candidate": cand.as_dict()}
+        if self.winner:
+            d["deepspeed_config"] = deepspeed_config(self.winner.strategy, self.work, self.cluster)
+        return d
+
+
+def _first_fit(shape, cluster, work, record: list | None = None) -> Candidate | None:
+    for tier in candidate_strategies(work, shape.hidden):
+        for s in tier:
+            c = evaluate(shape, s, cluster, work)
+            if record is not None:
+                record.append(c)
+            if c.fits:
+                return c
+    return None
+
+
+def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
+    p = Plan(shape, cluster, work)
+    winner = _first_fit(shape, cluster, work, p.candidates)
+    for c in p.candidates[:-1] if winner else p.candidates:
+        p.route.append(f"{c.label()}: rejected, {c.why_not()}")
+    if winner is None:
+        p.route.append("nothing fits this cluster")
+        p.smallest_fit = smallest_cluster(shape, cluster, work)
+        return p
+    why = "smallest stage that fits" if winner.strategy.offload_optimizer == OffloadDevice.NONE else \
+        "nothing fits on the devices alone, so states go to host/NVMe"
+    p.route.append(f"{winner.label()}: fits ({winner.memory.device_total / GIB:.1f} of "
+                   f"{winner.device_budget / GIB:.1f} GiB usable per device); {why}")
+    s = winner.strategy
+    if s.stage == Stage.PARAMETERS and not s.zeropp and cluster.nodes > 1:
+        share = winner.time.comm_inter / winner.time.step
+        if share >= INTER_NODE_BOTTLENECK_FRACTION:
+            p.route.append(f"inter-node traffic takes {share:.0%} of the step (>= "
+                           f"{INTER_NODE_BOTTLENECK_FRACTION:.0%}): trying ZeRO++")
+            best = winner
+            for v in _zeropp_variants(s, cluster):
+                c = evaluate(shape, v, cluster, work)
+                p.candidates.append(c)
+                verdict = f"step {c.time.step:.2f} s vs {best.time.step:.2f} s" if c.fits else c.why_not()
+                p.route.append(f"{c.label()}: {verdict}")
+                if c.fits and c.time.step < best.time.step * (1 - ZEROPP_MIN_GAIN):
+                    best = c
+            winner = best
+        else:
+            p.route.append(f"inter-node traffic is {share:.0%} of the step: ZeRO++ not needed")
+    p.winner = winner
+    p.route.append(f"winner: {winner.label()}, {winner.memory.device_total / GIB:.1f} GiB per device, "
+                   f"{winner.time.step:.2f} s per step")
+    # The other candidates of the winner's tier, for comparison in the table.
+    seen = {c.label() for c in p.candidates}
+    for tier in candidate_strategies(work, shape.hidden):
+        for st in tier:
+            c = evaluate(shape, st, cluster, work)
+            if c.label() not in seen and c.fits:
+                p.candidates.append(c)
+                seen.add(c.label())
+    return p
+
+
+def smallest_cluster(shape: ModelShape, cluster: Cluster, work: Workload) -> tuple[Cluster, Candidate] | None:
+    """The fewest GPUs of the same kind on which some route candidate fits: more GPUs
+    on the node first (up to MAX_GPUS_PER_NODE), then more nodes (binary search; the
+    per-device need only falls as N grows)."""
+    def fit(cl: Cluster) -> Candidate | None:
+        return _first_fit(shape, cl, work)
+
+    if cluster.nodes == 1:
+        for g in range(cluster.gpus_per_node + 1, MAX_GPUS_PER_NODE + 1):
+            cl = cluster.with_size(1, g)
+            c = fit(cl)
+            if c:
+                return cl, c
+    g = max(cluster.gpus_per_node, MAX_GPUS_PER_NODE if cluster.nodes == 1 else cluster.gpus_per_node)
+    lo, hi = max(cluster.nodes, 1), max(cluster.nodes, 1) * 2
+    while hi <= MAX_NODES and not fit(cluster.with_size(hi, g)):
+        lo, hi = hi, hi * 2
+    if hi > MAX_NODES:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fit(cluster.with_size(mid, g)):
+            hi = mid
+        else:
+            lo = mid
+    cl = cluster.with_size(hi, g)
+    return cl, fit(cl)
+
+
+def deepspeed_config(s: Strategy, work: Workload, cluster: Cluster, nvme_path: str = "/local_nvme") -> dict:
+    """A DeepSpeed-style config dict (key names as in DeepSpeed 0.19) for the strategy."""
+    zero: dict = {"stage": int(s.stage), "overlap_comm": s.overlap_comm, "contiguous_gradients": True,
+                  "reduce_bucket_size": s.reduce_bucket_size}
+    if s.stage in (Stage.OPTIMIZER_STATES, Stage.GRADIENTS):
+        zero["allgather_bucket_size"] = s.reduce_bucket_size
+    if s.stage == Stage.PARAMETERS:
+        zero.update({"stage3_prefetch_bucket_size": s.prefetch_bucket_size,
+                     "stage3_max_live_parameters": s.max_live_parameters,
+                     "sub_group_size": s.sub_group_size})
+    for key, dev in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
+        if dev != OffloadDevice.NONE:
+            block = {"device": dev.value, "pin_memory": True}
+            if dev == OffloadDevice.NVME:
+                block["nvme_path"] = nvme_path
+            zero[key] = block
+    if s.quantized_weights:
+        zero["zero_quantized_weights"] = True
+    if s.hpz_partition_size > 1:
+        zero["zero_hpz_partition_size"] = s.hpz_partition_size
+    if s.quantized_gradients:
+        zero["zero_quantized_gradients"] = True
+    cfg: dict = {
+        "train_batch_size": work.micro_batch * work.gradient_accumulation_steps * cluster.world_size,
+        "train_micro_batch_size_per_gpu": work.micro_batch,
+        "gradient_accumulation_steps": work.gradient_accumulation_steps,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+    }
+    if s.precision == Precision.BF16:
+        cfg["bf16"] = {"enabled": True}
+    elif s.precision == Precision.FP16:
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if OffloadDevice.NVME in (s.offload_optimizer, s.offload_param):
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+                      "single_submit": False, "overlap_events": True}
+    if s.activation_checkpointing:
+        # DeepSpeed's own block; the model must still wrap its layers in checkpoint().
+        cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
+    return cfg

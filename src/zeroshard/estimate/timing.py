@@ -1,0 +1,108 @@
+"""Step time: compute, communication, PCIe, CPU optimizer and NVMe, each reported.
+
+compute: nanoGPT's `estimate_mfu` (Kaplan et al. 2020 appendix; PaLM appendix B):
+    FLOPs per token = 6Φ + 12·L·h·s  (forward 1/3, backward 2/3; attention term)
+activation checkpointing repeats the forward: 8Φ + 16·L·h·s.
+communication: bytes / (link bandwidth x ACHIEVED_LINK_FRACTION), intra- and
+inter-node hops in sequence; collectives that overlap (bucketed reduce during
+backward, stage-3 prefetch) hide behind the compute of their phase.
+offload: PCIe copies, the CPU optimizer (bound by host memory bandwidth) and NVMe
+reads/writes of the partitions, added without overlap (a conservative bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from zeroshard.policies import OffloadDevice, Stage
+
+from zeroshard.estimate.comm import CommEstimate
+from zeroshard.estimate.hardware import ACHIEVED_LINK_FRACTION, Cluster
+from zeroshard.estimate.memory import Strategy, shard
+from zeroshard.estimate.model_size import ModelShape
+from zeroshard.estimate.units import FP32_BYTES
+
+__all__ = ["TimeEstimate", "estimate_time", "flops_per_token", "FLOPS_PER_PARAM_PER_TOKEN",
+           "RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN", "ATTENTION_FLOPS_COEF", "BACKWARD_FRACTION"]
+
+FLOPS_PER_PARAM_PER_TOKEN = 6  # 2 forward + 4 backward (Kaplan et al. 2020, sec. 2.1)
+RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN = 2  # one more forward under activation checkpointing
+ATTENTION_FLOPS_COEF = 12  # 12 * L * h * s per token (nanoGPT estimate_mfu; PaLM appendix B)
+BACKWARD_FRACTION = 2 / 3  # share of the step's compute in backward
+
+
+def flops_per_token(shape: ModelShape, seq: int, checkpointing: bool) -> float:
+    scale = (FLOPS_PER_PARAM_PER_TOKEN + (RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN if checkpointing else 0))
+    scale /= FLOPS_PER_PARAM_PER_TOKEN
+    return scale * (FLOPS_PER_PARAM_PER_TOKEN * shape.params + ATTENTION_FLOPS_COEF * shape.layers * shape.hidden * seq)
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds per optimizer step on one rank."""
+
+    compute: float
+    comm_total: float  # if nothing overlapped
+    comm_intra: float
+    comm_inter: float
+    comm_exposed: float  # what overlap leaves on the critical path
+    pcie: float
+    cpu_optimizer: float
+    nvme: float
+    tokens_per_step: int  # all ranks
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.comm_exposed + self.pcie + self.cpu_optimizer + self.nvme
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "step": self.step, "tokens_per_second": self.tokens_per_second}
+
+
+def estimate_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, comm: CommEstimate, seq: int,
+                  micro_batch: int, gradient_accumulation_steps: int = 1) -> TimeEstimate:
+    s, c, gas = strategy, cluster, gradient_accumulation_steps
+    n, k_node = c.world_size, c.gpus_per_node
+    tokens_rank = micro_batch * seq * gas
+    compute = flops_per_token(shape, seq, s.activation_checkpointing) * tokens_rank / c.flops
+
+    intra_bw = c.gpu.intra_node_bw * ACHIEVED_LINK_FRACTION
+    inter_bw = c.inter_node_bw / k_node * ACHIEVED_LINK_FRACTION  # the node's NICs shared by its ranks
+    hidden_window = {"forward": compute * (1 - BACKWARD_FRACTION), "backward": compute * BACKWARD_FRACTION}
+    comm_intra = comm_inter = exposed = 0.0
+    by_phase: dict[str, float] = {}
+    for col in comm.collectives:
+        t_intra = col.intra_bytes / intra_bw
+        t_inter = col.inter_bytes / inter_bw if col.inter_bytes else 0.0
+        comm_intra += t_intra
+        comm_inter += t_inter
+        if col.overlappable and col.phase in hidden_window:
+            by_phase[col.phase] = by_phase.get(col.phase, 0.0) + t_intra + t_inter
+        else:
+            exposed += t_intra + t_inter
+    for phase, t in by_phase.items():
+        exposed += max(0.0, t - hidden_window[phase])
+
+    own = shard(shape.params, n)
+    pcie_bw = c.gpu.pcie_bw * ACHIEVED_LINK_FRACTION
+    pcie = cpu = nvme = 0.0
+    if s.offload_optimizer != OffloadDevice.NONE:
+        grad_copies = gas if s.stage >= Stage.GRADIENTS else 1
+        pcie += (s.grad_bytes * own * grad_copies + s.param_bytes * own) / pcie_bw
+        # CPU Adam reads master, states and fp32 grad, writes master, states and the 16-bit copy.
+        touched = own * (2 * s.k + FP32_BYTES + s.param_bytes)
+        cpu += k_node * touched / c.host_mem_bw
+        if s.offload_optimizer == OffloadDevice.NVME:
+            nvme += k_node * 2 * s.k * own / c.nvme_bw
+    if s.offload_param != OffloadDevice.NONE:
+        fetches = 2 * gas  # forward and backward gather of every unit
+        pcie += s.param_bytes * own * fetches / pcie_bw
+        if s.offload_param == OffloadDevice.NVME:
+            nvme += k_node * s.param_bytes * own * (fetches + 1) / c.nvme_bw
+    return TimeEstimate(compute=compute, comm_total=comm_intra + comm_inter, comm_intra=comm_intra,
+                        comm_inter=comm_inter, comm_exposed=exposed, pcie=pcie, cpu_optimizer=cpu, nvme=nvme,
+                        tokens_per_step=tokens_rank * n)
