@@ -1,0 +1,141 @@
+"""Map a validated RootConfig onto the frozen policies the engine runs on.
+
+Settings hold the *effective* settings: blocks that cannot take effect at the
+chosen stage (offload_param, ZeRO++ and stage-3 knobs below stage 3, any offload
+at stage 0) map to their defaults; they stay visible in `Settings.raw`, and
+`support.check_support` has already noted them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroshard.config.schema import RootConfig
+from zeroshard.config.zero_schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from zeroshard.policies import (
+    BatchPolicy, CommsLoggerPolicy, ConfigError, LossScalePolicy, OffloadDevice, OffloadPolicy,
+    OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy, SchedulerSpec, Settings, Stage,
+    Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
+)
+
+
+def precision_policy(config: RootConfig) -> PrecisionPolicy:
+    fp16 = config.fp16 is not None and config.fp16.enabled
+    bf16 = config.bf16 is not None and config.bf16.enabled
+    if fp16 and bf16:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+    comm = Precision(config.communication_data_type) if config.communication_data_type else None
+    if fp16:
+        f = config.fp16
+        scale = LossScalePolicy(
+            static_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
+            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
+            consecutive_hysteresis=f.consecutive_hysteresis, min_loss_scale=f.min_loss_scale)
+        return PrecisionPolicy(compute=Precision.FP16, reduce=comm or Precision.FP16, loss_scale=scale)
+    if bf16:
+        return PrecisionPolicy(compute=Precision.BF16, reduce=comm or Precision.BF16)
+    return PrecisionPolicy(compute=Precision.FP32, reduce=comm or Precision.FP32)
+
+
+def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, buffer_count: int) -> OffloadPolicy:
+    if block is None:
+        return OffloadPolicy(buffer_count=buffer_count)
+    extra: dict[str, Any] = {}
+    if isinstance(block, OffloadParamConfig):
+        extra = {"buffer_size": block.buffer_size, "max_in_cpu": block.max_in_cpu}
+    else:
+        extra = {"pipeline_read": block.pipeline_read or block.pipeline,
+                 "pipeline_write": block.pipeline_write or block.pipeline,
+                 "fast_init": block.fast_init, "ratio": block.ratio}
+    return OffloadPolicy(device=OffloadDevice(block.device), nvme_path=block.nvme_path,
+                         pin_memory=block.pin_memory, buffer_count=block.buffer_count, **extra)
+
+
+def _stage3(zero: ZeroConfig) -> Stage3Policy:
+    return Stage3Policy(
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        param_persistence_threshold=zero.param_persistence_threshold,
+        model_persistence_threshold=zero.model_persistence_threshold,
+        max_live_parameters=zero.max_live_parameters,
+        max_reuse_distance=zero.max_reuse_distance,
+        gather_16bit_weights_on_model_save=zero.gather_16bit_weights_on_model_save,
+        module_granularity_threshold=zero.module_granularity_threshold,
+        use_all_reduce_for_fetch_params=zero.use_all_reduce_for_fetch_params,
+        allgather_sequential=zero.allgather_sequential,
+        unit_classes=tuple(zero.leaf_module.classes) if zero.leaf_module else (),
+    )
+
+
+def zero_policy(zero: ZeroConfig) -> ZeroPolicy:
+    stage = zero.stage
+    zeropp = ZeroPlusPlusPolicy(
+        quantized_weights=zero.zero_quantized_weights,
+        quantized_nontrainable_weights=zero.zero_quantized_nontrainable_weights,
+        hpz_partition_size=max(1, zero.zero_hpz_partition_size),
+        quantized_gradients=zero.zero_quantized_gradients,
+    )
+    return ZeroPolicy(
+        stage=Stage(stage),
+        reduce_bucket_size=zero.reduce_bucket_size,
+        allgather_bucket_size=zero.allgather_bucket_size,
+        overlap_comm=True if zero.overlap_comm is None else zero.overlap_comm,
+        contiguous_gradients=zero.contiguous_gradients,
+        reduce_scatter=zero.reduce_scatter,
+        sub_group_size=zero.sub_group_size,
+        ignore_unused_parameters=zero.ignore_unused_parameters,
+        compute_grad_norm=zero.compute_grad_norm,
+        offload_optimizer=_offload(zero.offload_optimizer if stage >= 1 else None, 4),
+        offload_param=_offload(zero.offload_param if stage == 3 else None, 5),
+        stage3=_stage3(zero) if stage == 3 else Stage3Policy(),
+        zeropp=zeropp if stage == 3 else ZeroPlusPlusPolicy(),
+    )
+
+
+def _without_auto(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if not (isinstance(v, str) and v == "auto")}
+
+
+def build_notes(config: RootConfig) -> list[str]:
+    notes: list[str] = []
+    if config.gradient_clipping is None:
+        notes.append("gradient_clipping not set: zeroshard does not clip gradients (DeepSpeed 0.19 defaults "
+                     "to 1.0; add \"gradient_clipping\": 1.0 to match it)")
+    zero = config.zero
+    if zero.stage in (1, 2) and zero.overlap_comm is None:
+        notes.append("zero_optimization.overlap_comm not set: zeroshard overlaps gradient reduction with "
+                     "backward at every stage (DeepSpeed's default is false at stages 1/2; results are the same)")
+    if not zero.compute_grad_norm and (config.gradient_clipping or 0.0) > 0:
+        notes.append(f"gradient_clipping = {config.gradient_clipping} has no effect: "
+                     "zero_optimization.compute_grad_norm is false, so no gradient norm is computed")
+    return notes
+
+
+def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
+                   notes: list[str]) -> Settings:
+    optimizer = scheduler = None
+    if config.optimizer is not None:
+        optimizer = OptimizerSpec(type=config.optimizer.type.lower(),
+                                  params=_without_auto(config.optimizer.params))
+    if config.scheduler is not None:
+        scheduler = SchedulerSpec(type=config.scheduler.type, params=_without_auto(config.scheduler.params))
+    logger = config.comms_logger
+    comms = (CommsLoggerPolicy(enabled=logger.enabled, verbose=logger.verbose, prof_all=logger.prof_all,
+                               debug=logger.debug, prof_ops=tuple(logger.prof_ops))
+             if logger is not None else CommsLoggerPolicy())
+    runtime = config.zeroshard
+    return Settings(
+        batch=batch,
+        precision=precision_policy(config),
+        zero=zero_policy(config.zero),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        gradient_clipping=float(config.gradient_clipping or 0.0),
+        steps_per_print=config.steps_per_print,
+        wall_clock_breakdown=config.wall_clock_breakdown,
+        comms_logger=comms,
+        runtime=(RuntimePolicy(comm_timeout_s=runtime.comm_timeout_s,
+                               cast_forward_inputs=runtime.cast_forward_inputs)
+                 if runtime is not None else RuntimePolicy()),
+        raw=raw,
+        notes=tuple(notes),
+    )

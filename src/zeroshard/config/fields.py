@@ -1,0 +1,126 @@
+"""Field types and the base model every config section derives from.
+
+DeepSpeed validates with lax pydantic, so `5e8` (a JSON float) is a valid
+bucket size. These types accept that, but reject what lax pydantic lets slip
+through silently: `true` for an integer, `2.5` for an integer, `"two"` for
+anything numeric. Every message starts with "expected", so the error layer can
+print `path = value: expected ...`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Annotated, Any, ClassVar, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+_TRUE = {"true", "yes", "on"}
+_FALSE = {"false", "no", "off"}
+
+
+def _integral(value: Any) -> int:
+    if isinstance(value, bool):
+        raise PydanticCustomError("zs_type", "expected an integer, got a boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise PydanticCustomError("zs_type", "expected an integer") from None
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise PydanticCustomError("zs_type", "expected an integer, got a number with a fractional part")
+    raise PydanticCustomError("zs_type", "expected an integer")
+
+
+def _real(value: Any) -> float:
+    if isinstance(value, bool):
+        raise PydanticCustomError("zs_type", "expected a number, got a boolean")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise PydanticCustomError("zs_type", "expected a number")
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise PydanticCustomError("zs_type", "expected true or false")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise PydanticCustomError("zs_type", "expected a string")
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+NonNegInt = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
+PosInt = Annotated[int, BeforeValidator(_integral), Field(gt=0)]
+Real = Annotated[float, BeforeValidator(_real)]
+NonNegReal = Annotated[float, BeforeValidator(_real), Field(ge=0)]
+PosReal = Annotated[float, BeforeValidator(_real), Field(gt=0)]
+Bool = Annotated[bool, BeforeValidator(_boolean)]
+Text = Annotated[str, BeforeValidator(_text)]
+
+
+class Section(BaseModel):
+    """A block of the config. Unknown keys are errors, as in DeepSpeed's pydantic models."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Other spellings the loader rewrites before validation (aliases, legacy names):
+    # offered by did-you-mean, never seen by pydantic.
+    spellings: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(cls.model_fields) + cls.spellings
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def section_of(model: type[Section], key: Any) -> type[Section] | None:
+    """The Section class of field `key` of `model`, or None when it is a plain value."""
+    info = model.model_fields.get(key) if isinstance(key, str) else None
+    if info is None:
+        return None
+    inner = _unwrap_optional(info.annotation)
+    return inner if isinstance(inner, type) and issubclass(inner, Section) else None
+
+
+def is_free_dict(model: type[Section], key: str) -> bool:
+    """True for fields holding an unchecked mapping (optimizer/scheduler `params`)."""
+    info = model.model_fields.get(key)
+    if info is None:
+        return False
+    inner = _unwrap_optional(info.annotation)
+    return inner is dict or typing.get_origin(inner) is dict
+
+
+def section_at(root: type[Section], loc: tuple[Any, ...]) -> type[Section] | None:
+    """Walk `loc` (a pydantic error location) from `root`; None when it leaves the schema."""
+    model: type[Section] | None = root
+    for key in loc:
+        if model is None:
+            return None
+        model = section_of(model, key)
+    return model

@@ -1,0 +1,187 @@
+"""Rewrite what users write into the one spelling the schema validates, with a note per rewrite.
+
+Runs before validation, on a deep copy of the user's dict:
+* keys DeepSpeed 0.19 removed: error (DeepSpeed refuses them too);
+* legacy forms: `bfloat16`, `"zero_optimization": true` (+ `allgather_size`);
+* `stage3_*` aliases and deprecated `zero_optimization` keys;
+* `aio` nested inside `zero_optimization`, and `aio.thread_count`;
+* `"auto"` values: the Hugging Face heuristics when `hidden_size` is known, otherwise
+  the key is dropped so the default applies (DeepSpeed's non-strict behaviour).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Mapping
+
+from zeroshard.config.fields import Section, is_free_dict, section_of
+from zeroshard.config.schema import RootConfig
+from zeroshard.config.zero_schema import STAGE3_ALIASES
+from zeroshard.policies import ConfigError
+
+REMOVED_TOP_KEYS = (
+    "nebula", "compression_training", "amp", "quantize_training", "sparse_gradients", "eigenvalue",
+    "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning", "progressive_layer_drop",
+)
+REMOVED_ZERO_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
+
+# Hugging Face's "auto" heuristics from the model's hidden size h (transformers/integrations/deepspeed.py).
+HIDDEN_SIZE_AUTO: dict[str, Callable[[int], int]] = {
+    "reduce_bucket_size": lambda h: h * h,
+    "prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+def _rename(block: dict, old: str, new: str, where: str) -> None:
+    """Move block[old] to block[new]; both given with different values is an error."""
+    value = block.pop(old)
+    if new in block and block[new] != value:
+        raise ConfigError(
+            f"{where}: {old!r} = {value!r} and {new!r} = {block[new]!r} are both given; "
+            f"{old!r} is another name for {new!r}, keep one")
+    block[new] = value
+
+
+def _refuse_removed(data: dict) -> None:
+    found = [key for key in REMOVED_TOP_KEYS if key in data]
+    zero = data.get("zero_optimization")
+    if isinstance(zero, dict):
+        found += [f"zero_optimization.{key}" for key in REMOVED_ZERO_KEYS if key in zero]
+    if found:
+        raise ConfigError(
+            "removed key(s) " + ", ".join(repr(k) for k in found) + ": DeepSpeed removed them too "
+            "(0.19 rejects them with DeepSpeedConfigError); delete them from the config")
+
+
+def _legacy_top(data: dict, notes: list[str]) -> None:
+    if "bfloat16" in data:
+        if "bf16" in data:
+            raise ConfigError("both 'bf16' and its legacy name 'bfloat16' are given; keep 'bf16'")
+        data["bf16"] = data.pop("bfloat16")
+        notes.append("'bfloat16' is the legacy name of 'bf16'; read as bf16")
+    zero = data.get("zero_optimization")
+    if isinstance(zero, bool):
+        block: dict[str, Any] = {"stage": 1 if zero else 0}
+        if zero:
+            block["allgather_bucket_size"] = data.pop("allgather_size", 500_000_000)
+        data["zero_optimization"] = block
+        notes.append(f'legacy "zero_optimization": {str(zero).lower()} read as stage {block["stage"]}')
+    elif "allgather_size" in data:
+        notes.append("ignored: allgather_size (legacy; read only with \"zero_optimization\": true; "
+                     "use zero_optimization.allgather_bucket_size)")
+
+
+def _offload_flag(zero: dict, old: str, new: str, notes: list[str]) -> None:
+    flag = zero.pop(old)
+    if flag not in (True, False, None):
+        raise ConfigError(f"zero_optimization.{old} = {flag!r}: expected true or false")
+    notes.append(f"zero_optimization.{old} is deprecated; read as zero_optimization.{new}"
+                 + (".device = \"cpu\"" if flag else " unchanged (it was false)"))
+    if not flag:
+        return
+    block = zero.get(new)
+    if isinstance(block, dict) and block.get("device", "none") not in ("cpu", "none"):
+        raise ConfigError(f"zero_optimization.{old} = true conflicts with zero_optimization.{new}.device = "
+                          f"{block['device']!r}; remove {old!r}")
+    if isinstance(block, dict):
+        block["device"] = "cpu"
+    else:
+        zero[new] = {"device": "cpu"}
+
+
+def _zero_rewrites(data: dict, zero: dict, notes: list[str]) -> None:
+    for alias, canonical in STAGE3_ALIASES.items():
+        if alias in zero:
+            _rename(zero, alias, canonical, "zero_optimization")
+    old16 = "stage3_gather_fp16_weights_on_model_save"
+    if old16 in zero:
+        _rename(zero, old16, "gather_16bit_weights_on_model_save", "zero_optimization")
+        notes.append(f"zero_optimization.{old16} is deprecated; read as "
+                     "zero_optimization.stage3_gather_16bit_weights_on_model_save")
+    if "cpu_offload" in zero:
+        _offload_flag(zero, "cpu_offload", "offload_optimizer", notes)
+    if "cpu_offload_param" in zero:
+        _offload_flag(zero, "cpu_offload_param", "offload_param", notes)
+    if "cpu_offload_use_pin_memory" in zero:
+        zero.pop("cpu_offload_use_pin_memory")
+        notes.append("ignored: zero_optimization.cpu_offload_use_pin_memory (deprecated, DeepSpeed ignores it "
+                     "too); use offload_optimizer.pin_memory / offload_param.pin_memory")
+    if "aio" in zero:
+        nested = zero.pop("aio")
+        top = data.get("aio")
+        if isinstance(top, dict) and isinstance(nested, dict):
+            for key, value in nested.items():
+                if key in top and top[key] != value:
+                    raise ConfigError(f"aio.{key} is given both at top level ({top[key]!r}) and inside "
+                                      f"zero_optimization ({value!r}); keep the top-level aio block")
+                top[key] = value
+        else:
+            data["aio"] = nested
+        notes.append("zero_optimization.aio moved to the top-level aio block (where DeepSpeed reads it)")
+
+
+def _aio_rewrites(aio: dict, notes: list[str]) -> None:
+    if "thread_count" in aio:
+        _rename(aio, "thread_count", "intra_op_parallelism", "aio")
+        notes.append("aio.thread_count is the old name of aio.intra_op_parallelism; read as "
+                     f"intra_op_parallelism = {aio['intra_op_parallelism']} (DeepSpeed 0.19 silently ignores it)")
+
+
+def _drop_auto(block: dict, model: type[Section], path: str, dropped: list[str]) -> None:
+    """Remove "auto" values of known keys (unknown keys stay, for validation to report)."""
+    for key in list(block):
+        if key not in model.model_fields:
+            continue
+        value = block[key]
+        if _is_auto(value):
+            del block[key]
+            dropped.append(path + key)
+            continue
+        sub = section_of(model, key)
+        if sub is not None and isinstance(value, dict):
+            _drop_auto(value, sub, f"{path}{key}.", dropped)
+        elif is_free_dict(model, key) and isinstance(value, dict):
+            for inner in [k for k, v in value.items() if _is_auto(v)]:
+                del value[inner]
+                dropped.append(f"{path}{key}.{inner}")
+
+
+def _resolve_auto(data: dict, hidden_size: int | None, notes: list[str]) -> None:
+    zero = data.get("zero_optimization")
+    if isinstance(zero, dict) and hidden_size is not None:
+        filled = []
+        for key, formula in HIDDEN_SIZE_AUTO.items():
+            if _is_auto(zero.get(key)):
+                zero[key] = formula(hidden_size)
+                filled.append(f"zero_optimization.{key} = {zero[key]}")
+        if filled:
+            notes.append(f'"auto" filled from hidden_size {hidden_size}: ' + ", ".join(filled))
+    if _is_auto(data.get("gradient_clipping")):
+        data["gradient_clipping"] = 0.0
+        notes.append('gradient_clipping "auto" read as 0 (no clipping); set a number to clip')
+    dropped: list[str] = []
+    _drop_auto(data, RootConfig, "", dropped)
+    if dropped:
+        hint = ("; pass hidden_size to fill bucket sizes as Hugging Face does"
+                if any(k.split(".")[-1] in HIDDEN_SIZE_AUTO for k in dropped) else "")
+        notes.append('"auto" left to the default for: ' + ", ".join(dropped) + hint)
+
+
+def normalize(config: Mapping[str, Any], hidden_size: int | None) -> tuple[dict[str, Any], list[str]]:
+    """A rewritten deep copy of `config` and the notes describing each rewrite."""
+    data = copy.deepcopy(dict(config))
+    notes: list[str] = []
+    _refuse_removed(data)
+    _legacy_top(data, notes)
+    zero = data.get("zero_optimization")
+    if isinstance(zero, dict):
+        _zero_rewrites(data, zero, notes)
+    if isinstance(data.get("aio"), dict):
+        _aio_rewrites(data["aio"], notes)
+    _resolve_auto(data, hidden_size, notes)
+    return data, notes

@@ -1,0 +1,294 @@
+"""Pydantic models of a DeepSpeed 0.19.8 config, every section except `zero_optimization`.
+
+DeepSpeed reads the top level and the `aio`, `checkpoint` and
+`activation_checkpointing` blocks loosely and ignores unknown keys there; these
+models forbid unknown keys everywhere, so a typo is an error, not a silent
+default. Defaults are DeepSpeed's, except `gradient_clipping` (None here: the
+loader turns "absent" into zeroshard's 0 and says so in a note).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from zeroshard.config.fields import (
+    Bool, Int, NonNegInt, NonNegReal, PosInt, PosReal, Section, Text,
+)
+from zeroshard.config.suggest import did_you_mean
+from zeroshard.config.support import KNOWN_OPTIMIZERS, KNOWN_SCHEDULERS
+from zeroshard.config.zero_schema import ZeroConfig
+
+ReduceDtype = Literal["fp32", "fp16", "bf16"]
+
+
+class FP16Config(Section):
+    enabled: Bool = False
+    auto_cast: Bool = False
+    loss_scale: NonNegReal = 0.0
+    initial_scale_power: NonNegInt = 16
+    loss_scale_window: PosInt = 1000
+    hysteresis: PosInt = 2
+    consecutive_hysteresis: Bool = False
+    min_loss_scale: PosReal = 1.0
+    fp16_master_weights_and_grads: Bool = False
+
+
+class BF16Config(Section):
+    enabled: Bool = False
+    immediate_grad_update: Bool = False
+    check_grad_overflow: Bool = True
+    bf16_master_weights_and_grads: Bool = False
+    bf16_optimizer_states: Bool = False
+
+
+class OptimizerConfig(Section):
+    type: Text
+    params: dict[str, Any] = Field(default_factory=dict)
+    legacy_fusion: Bool = False
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name.lower() not in KNOWN_OPTIMIZERS:
+            raise PydanticCustomError(
+                "zs_value", "unknown optimizer type{hint}",
+                {"hint": did_you_mean(name.lower(), KNOWN_OPTIMIZERS)})
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _no_max_grad_norm(cls, params: dict[str, Any]) -> dict[str, Any]:
+        if "max_grad_norm" in params:
+            raise PydanticCustomError(
+                "zs_rule", "max_grad_norm is not an optimizer parameter; "
+                "use the top-level gradient_clipping instead (DeepSpeed refuses it too)")
+        return params
+
+
+class SchedulerConfig(Section):
+    type: Text
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in KNOWN_SCHEDULERS:
+            raise PydanticCustomError(
+                "zs_value", "unknown scheduler type{hint}",
+                {"hint": did_you_mean(name, KNOWN_SCHEDULERS)})
+        return name
+
+
+class CommsLoggerConfig(Section):
+    enabled: Bool = False
+    verbose: Bool = False
+    prof_all: Bool = True
+    debug: Bool = False
+    prof_ops: list[str] = Field(default_factory=list)
+
+
+class AioConfig(Section):
+    spellings = ("thread_count",)
+
+    block_size: PosInt = 1_048_576
+    queue_depth: PosInt = 8
+    intra_op_parallelism: PosInt = 1
+    single_submit: Bool = False
+    overlap_events: Bool = True
+    use_gds: Bool = False
+
+
+class ParallelWriteConfig(Section):
+    pipeline_stage: Bool = False
+
+
+class CheckpointWriterConfig(Section):
+    type: Text = "fast"
+    decoupled: Bool = False
+    io_buffer_size: PosInt = 64 * 1024 * 1024
+    io_buffer_double: Bool = True
+    show_statistics: Bool = False
+    data_parallel: Any = None
+    io_multiplier: PosInt = 1
+
+
+class CheckpointConfig(Section):
+    tag_validation: Text = "Warn"
+    load_universal: Bool = False
+    use_node_local_storage: Bool = False
+    parallel_write: ParallelWriteConfig | None = None
+    checkpoint_serialization: Bool = True
+    writer: CheckpointWriterConfig | None = None
+
+
+class ActivationCheckpointingConfig(Section):
+    partition_activations: Bool = False
+    number_checkpoints: NonNegInt | None = None
+    contiguous_memory_optimization: Bool = False
+    cpu_checkpointing: Bool = False
+    profile: Bool = False
+    synchronize_checkpoint_boundary: Bool = False
+
+
+class TorchAutocastConfig(Section):
+    enabled: Bool = False
+    dtype: Text | None = None
+    lower_precision_safe_modules: list[str] | None = None
+
+
+class DataTypesConfig(Section):
+    grad_accum_dtype: Text | None = None
+    param_dtype: Text | None = None
+    buffer_dtype: Text | None = None
+    keep_in_fp32_modules: Any = "auto"
+
+
+class TensorBoardConfig(Section):
+    enabled: Bool = False
+    output_path: Text = ""
+    job_name: Text = "DeepSpeedJobName"
+
+
+class CSVMonitorConfig(TensorBoardConfig):
+    pass
+
+
+class WandbConfig(Section):
+    enabled: Bool = False
+    group: Text | None = None
+    team: Text | None = None
+    project: Text = "deepspeed"
+
+
+class CometConfig(Section):
+    enabled: Bool = False
+    samples_log_interval: PosInt = 100
+    project: Text | None = None
+    workspace: Text | None = None
+    api_key: Text | None = None
+    experiment_name: Text | None = None
+    experiment_key: Text | None = None
+    online: Bool | None = None
+    mode: Text | None = None
+
+
+class FlopsProfilerConfig(Section):
+    enabled: Bool = False
+    recompute_fwd_factor: NonNegReal = 0.0
+    profile_step: PosInt = 1
+    module_depth: Int = -1
+    top_modules: PosInt = 1
+    detailed: Bool = True
+    output_file: Text | None = None
+
+
+class AutotuningConfig(Section):
+    """Read only to note that zeroshard does not autotune; values are not checked."""
+
+    enabled: Bool = False
+    start_step: Any = None
+    end_step: Any = None
+    start_profile_step: Any = None
+    end_profile_step: Any = None
+    metric: Any = None
+    metric_path: Any = None
+    arg_mappings: Any = None
+    model_info: Any = None
+    model_info_path: Any = None
+    results_dir: Any = None
+    exps_dir: Any = None
+    overwrite: Any = None
+    fast: Any = None
+    tuner_type: Any = None
+    tuner_early_stopping: Any = None
+    tuner_num_trials: Any = None
+    mp_size: Any = None
+    max_train_batch_size: Any = None
+    min_train_batch_size: Any = None
+    max_train_micro_batch_size_per_gpu: Any = None
+    min_train_micro_batch_size_per_gpu: Any = None
+    num_tuning_micro_batch_sizes: Any = None
+
+
+class CompileConfig(Section):
+    enabled: Bool = False
+    deepcompile: Bool = False
+    backend: Text | None = None
+    kwargs: dict[str, Any] | None = None
+    free_activation: Any = None
+    offload_activation: Any = None
+    offload_opt_states: Any = None
+    offload_parameters: Any = None
+    double_buffer: Any = None
+    symmetric_memory: Any = None
+    debug_log: Any = None
+    sync_before_reduce: Any = None
+    sync_after_reduce: Any = None
+    sync_before_allgather: Any = None
+    sync_after_allgather: Any = None
+    keep_int_input_tensors: Any = None
+    keep_all_input_tensors: Any = None
+
+
+class ZeroShardConfig(Section):
+    """zeroshard's own block (`"zeroshard": {...}`); DeepSpeed would reject it, zeroshard reads it."""
+
+    comm_timeout_s: PosReal = 600.0
+    cast_forward_inputs: Bool = True
+
+
+class RootConfig(Section):
+    """The whole file, after the loader's rewrites (aliases, legacy forms, "auto")."""
+
+    spellings = ("bfloat16",)
+
+    train_batch_size: PosInt | None = None
+    train_micro_batch_size_per_gpu: PosInt | None = None
+    gradient_accumulation_steps: PosInt | None = None
+    managed_gradient_accumulation: Bool = True
+    gradient_clipping: NonNegReal | None = None
+    fp16: FP16Config | None = None
+    bf16: BF16Config | None = None
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_optimization: ZeroConfig | None = None
+    allgather_size: PosInt = 500_000_000  # legacy, read only with "zero_optimization": true
+    zero_allow_untested_optimizer: Bool = False
+    zero_force_ds_cpu_optimizer: Bool = True
+    communication_data_type: ReduceDtype | None = None
+    prescale_gradients: Bool = False
+    gradient_predivide_factor: PosReal = 1.0
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    torch_autocast: TorchAutocastConfig | None = None
+    data_types: DataTypesConfig | None = None
+    steps_per_print: NonNegInt | None = None
+    wall_clock_breakdown: Bool = False
+    memory_breakdown: Bool = False
+    comms_logger: CommsLoggerConfig | None = None
+    checkpoint: CheckpointConfig | None = None
+    aio: AioConfig | None = None
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
+    tensorboard: TensorBoardConfig | None = None
+    wandb: WandbConfig | None = None
+    csv_monitor: CSVMonitorConfig | None = None
+    comet: CometConfig | None = None
+    flops_profiler: FlopsProfilerConfig | None = None
+    autotuning: AutotuningConfig | None = None
+    compile: CompileConfig | None = None
+    tensor_parallel: dict[str, Any] | None = None
+    dataloader_drop_last: Bool = False
+    log_level: Text | None = None
+    dump_state: Bool = False
+    disable_allgather: Bool = False
+    zeroshard: ZeroShardConfig | None = None
+
+    @property
+    def zero(self) -> ZeroConfig:
+        return self.zero_optimization or ZeroConfig()
+
+    @property
+    def stage(self) -> int:
+        return self.zero.stage

@@ -1,0 +1,225 @@
+"""What zeroshard has not built yet, and what it reads but ignores. One table each.
+
+When a feature lands, flip `built=False` to `built=True` on its row of `GAPS`
+(or add the optimizer / scheduler name to `BUILT_OPTIMIZERS` /
+`BUILT_SCHEDULERS`). Nothing else in the config layer needs to change.
+
+Rules:
+* A gap whose key is set to a value that would take effect at the chosen stage
+  raises `NotSupportedYetError` (all gaps of a config in one message).
+* A key that cannot take effect at the chosen stage (stage-3 knobs, `offload_param`
+  and ZeRO++ at stage 1/2, offload at stage 0) is not an error: DeepSpeed ignores it
+  too, and users' stage-2 configs often carry stage-3 keys. It becomes a note
+  "ignored at stage N: ...".
+* Monitors, profilers, autotuning, DeepSpeed's checkpoint engine and activation
+  checkpointing API, logging knobs: accepted, because they never change what is
+  trained. When one is switched on, a note says zeroshard ignores it. Refusing
+  them would make users edit working configs for no gain in correctness.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING, Any, Callable
+
+from zeroshard.policies import NotSupportedYetError
+
+if TYPE_CHECKING:
+    from zeroshard.config.schema import RootConfig
+
+BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
+UNBUILT_OPTIMIZERS = (
+    "lamb", "lion", "muon", "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam",
+    "onebitlamb", "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
+    "lbfgs", "sparseadam", "adafactor",
+)
+KNOWN_OPTIMIZERS = BUILT_OPTIMIZERS + UNBUILT_OPTIMIZERS  # compared lower-cased, as DeepSpeed does
+
+BUILT_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+UNBUILT_SCHEDULERS = (
+    "LRRangeTest", "OneCycle", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR",
+    "CosineAnnealingWarmRestarts", "LambdaLR", "LinearLR", "ConstantLR", "PolynomialLR",
+    "CyclicLR", "OneCycleLR", "ReduceLROnPlateau",
+)
+KNOWN_SCHEDULERS = BUILT_SCHEDULERS + UNBUILT_SCHEDULERS  # exact spelling, as DeepSpeed does
+
+ALL_STAGES = frozenset({0, 1, 2, 3})
+ZERO_STAGES = frozenset({1, 2, 3})
+STAGE3 = frozenset({3})
+
+
+def version() -> str:
+    try:
+        return metadata.version("zeroshard")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "(development)"
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A setting zeroshard accepts in the schema but has not built."""
+
+    path: str
+    value: Callable[["RootConfig"], Any]  # the offending value, or None when off / default
+    fix: str  # what to set instead
+    stages: frozenset[int] = ALL_STAGES  # stages at which the key takes effect
+    built: bool = False
+
+
+def _device(block: Any) -> str | None:
+    return block.device if block is not None and block.device != "none" else None
+
+
+def _when(flag: bool, value: Any = True) -> Any:
+    return value if flag else None
+
+
+def _fp16(c: "RootConfig") -> Any:
+    return c.fp16 if c.fp16 is not None and c.fp16.enabled else None
+
+
+def _bf16(c: "RootConfig") -> Any:
+    return c.bf16 if c.bf16 is not None and c.bf16.enabled else None
+
+
+def _unbuilt_optimizer(c: "RootConfig") -> str | None:
+    name = c.optimizer.type if c.optimizer is not None else None
+    return name if name is not None and name.lower() not in BUILT_OPTIMIZERS else None
+
+
+def _unbuilt_scheduler(c: "RootConfig") -> str | None:
+    name = c.scheduler.type if c.scheduler is not None else None
+    return name if name is not None and name not in BUILT_SCHEDULERS else None
+
+
+_Z = "zero_optimization."
+GAPS: tuple[Gap, ...] = (
+    Gap(_Z + "stage", lambda c: _when(c.stage == 3, 3), "0, 1 or 2"),
+    Gap(_Z + "offload_optimizer.device", lambda c: _device(c.zero.offload_optimizer), '"none"', ZERO_STAGES),
+    Gap(_Z + "offload_param.device", lambda c: _device(c.zero.offload_param), '"none"', STAGE3),
+    Gap(_Z + "zero_quantized_weights", lambda c: _when(c.zero.zero_quantized_weights), "false", STAGE3),
+    Gap(_Z + "zero_quantized_gradients", lambda c: _when(c.zero.zero_quantized_gradients), "false", STAGE3),
+    Gap(_Z + "zero_quantized_nontrainable_weights",
+        lambda c: _when(c.zero.zero_quantized_nontrainable_weights), "false", STAGE3),
+    Gap(_Z + "zero_hpz_partition_size",
+        lambda c: _when(c.zero.zero_hpz_partition_size > 1, c.zero.zero_hpz_partition_size), "1", STAGE3),
+    Gap(_Z + "zenflow", lambda c: _when(c.zero.zenflow is not None, "{...}"), "nothing (remove the block)",
+        ZERO_STAGES),
+    Gap("fp16.auto_cast", lambda c: _when(bool(_fp16(c) and c.fp16.auto_cast)), "false"),
+    Gap("fp16.fp16_master_weights_and_grads",
+        lambda c: _when(bool(_fp16(c) and c.fp16.fp16_master_weights_and_grads)), "false"),
+    Gap("bf16.bf16_master_weights_and_grads",
+        lambda c: _when(bool(_bf16(c) and c.bf16.bf16_master_weights_and_grads)), "false"),
+    Gap("bf16.bf16_optimizer_states", lambda c: _when(bool(_bf16(c) and c.bf16.bf16_optimizer_states)), "false"),
+    Gap("torch_autocast.enabled", lambda c: _when(bool(c.torch_autocast and c.torch_autocast.enabled)), "false"),
+    Gap("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype if c.data_types else None, "null"),
+    Gap("prescale_gradients", lambda c: _when(c.prescale_gradients), "false"),
+    Gap("gradient_predivide_factor",
+        lambda c: _when(c.gradient_predivide_factor != 1.0, c.gradient_predivide_factor), "1.0"),
+    Gap("gradient_allreduce_op", lambda c: _when(c.gradient_allreduce_op == "sum", "sum"), '"mean"'),
+    Gap("managed_gradient_accumulation", lambda c: _when(not c.managed_gradient_accumulation, False), "true"),
+    Gap("activation_checkpointing.partition_activations",
+        lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.partition_activations)),
+        "false"),
+    Gap("activation_checkpointing.cpu_checkpointing",
+        lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.cpu_checkpointing)),
+        "false"),
+    Gap("compile.enabled", lambda c: _when(bool(c.compile and c.compile.enabled)), "false"),
+    Gap("compile.deepcompile", lambda c: _when(bool(c.compile and c.compile.deepcompile)), "false"),
+    Gap("tensor_parallel", lambda c: _when(bool(c.tensor_parallel), "{...}"), "nothing (remove the block)"),
+    Gap("optimizer.type", _unbuilt_optimizer, "one of " + ", ".join(BUILT_OPTIMIZERS)),
+    Gap("scheduler.type", _unbuilt_scheduler, "one of " + ", ".join(BUILT_SCHEDULERS)),
+)
+
+# zero_optimization keys that take effect only at stage 3 (DeepSpeed ignores them below it).
+STAGE3_ONLY_KEYS = (
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
+    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+    "log_trace_cache_warnings", "enable_sanity_checks", "leaf_module", "sub_group_size",
+    "offload_param", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+)
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+def check_support(config: "RootConfig") -> list[str]:
+    """Raise NotSupportedYetError for every unbuilt feature in use; return "ignored at stage" notes."""
+    stage = config.stage
+    errors: list[str] = []
+    ignored: list[str] = []
+    for gap in GAPS:
+        value = gap.value(config)
+        if gap.built or value is None:
+            continue
+        if stage not in gap.stages:
+            ignored.append(f"{gap.path} = {_show(value)}")
+            continue
+        errors.append(f"{gap.path} = {_show(value)}: not supported yet by zeroshard {version()}; "
+                      f"remove it or set it to {gap.fix}")
+    if errors:
+        raise NotSupportedYetError("\n".join(errors))
+    if stage < 3 and config.zero_optimization is not None:
+        set_keys = config.zero_optimization.model_fields_set
+        already = " ".join(ignored)
+        ignored += [_Z + key for key in STAGE3_ONLY_KEYS if key in set_keys and _Z + key not in already]
+    if not ignored:
+        return []
+    return [f"ignored at stage {stage}: " + ", ".join(ignored)
+            + " (they take effect only at a higher stage; DeepSpeed ignores them too)"]
+
+
+_AC = ("number_checkpoints", "contiguous_memory_optimization", "profile", "synchronize_checkpoint_boundary")
+_ZERO_NO_EFFECT = {  # key: value that differs from DeepSpeed's default and has no effect in zeroshard
+    "legacy_stage1": True, "allgather_partitions": False, "elastic_checkpoint": True,
+    "round_robin_gradients": True, "parameter_alignment": True,
+    "use_multi_rank_bucket_allreduce": False, "load_from_fp32_weights": False,
+}
+
+
+def _ignored_checks(c: "RootConfig") -> list[tuple[bool, str]]:
+    monitor = "zeroshard has no monitors; log from your training loop"
+    ac = c.activation_checkpointing
+    checks = [(bool(getattr(c, name) and getattr(c, name).enabled), f"{name}.enabled: {monitor}")
+              for name in ("tensorboard", "wandb", "csv_monitor", "comet")]
+    checks += [
+        (bool(c.flops_profiler and c.flops_profiler.enabled), "flops_profiler.enabled: zeroshard has no flops profiler"),
+        (bool(c.autotuning and c.autotuning.enabled),
+         "autotuning.enabled: zeroshard does not autotune (`zeroshard plan` suggests settings)"),
+        (c.memory_breakdown, "memory_breakdown: zeroshard's memory ledger reports memory instead"),
+        (c.dump_state, "dump_state: zeroshard prints its effective settings at start-up instead"),
+        (c.dataloader_drop_last, "dataloader_drop_last: zeroshard builds no data loader"),
+        (c.disable_allgather, "disable_allgather: zeroshard always all-gathers updated parameters"),
+        (c.log_level is not None, "log_level: zeroshard uses Python logging; configure it there"),
+        (c.checkpoint is not None and bool(c.checkpoint.model_fields_set),
+         "checkpoint: zeroshard writes its own resharding checkpoints; DeepSpeed's checkpoint engine "
+         "settings do not apply"),
+        (bool(ac and any(getattr(ac, k) not in (False, None) for k in _AC)),
+         "activation_checkpointing: " + ", ".join(_AC) + " configure deepspeed.checkpointing, which zeroshard "
+         "does not provide; use torch.utils.checkpoint"),
+        (bool(c.data_types and (c.data_types.param_dtype or c.data_types.buffer_dtype)),
+         "data_types.param_dtype / buffer_dtype: zeroshard's precision comes from fp16 / bf16"),
+        (bool(c.bf16 and c.bf16.immediate_grad_update), "bf16.immediate_grad_update: zeroshard reduces "
+         "gradients at the accumulation boundary"),
+        (bool(c.optimizer and c.optimizer.legacy_fusion), "optimizer.legacy_fusion: no effect in zeroshard"),
+    ]
+    zero = c.zero
+    checks += [(getattr(zero, key) == value, f"zero_optimization.{key} = {_show(value)}: no effect in zeroshard")
+               for key, value in _ZERO_NO_EFFECT.items()]
+    uses_nvme = "nvme" in (_device(zero.offload_optimizer), _device(zero.offload_param))
+    checks.append((c.aio is not None and not uses_nvme, "aio: it configures NVMe offload only, unused here"))
+    return checks
+
+
+def ignored_notes(config: "RootConfig") -> list[str]:
+    """Notes for accepted keys that zeroshard does not act on."""
+    return ["ignored: " + text for hit, text in _ignored_checks(config) if hit]

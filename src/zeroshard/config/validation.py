@@ -1,0 +1,118 @@
+"""Turn pydantic's ValidationError into one ConfigError a user can act on.
+
+Each problem becomes one line naming the full key path, the bad value and
+what was expected; unknown keys get the closest valid key of their block, or
+the block where the key belongs when it was put in the wrong one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from zeroshard.config.fields import Section, section_at, section_of
+from zeroshard.config.suggest import closest
+
+# Keys users put in the wrong block, and what to say (pain point: fp16 keys in bf16).
+_MISPLACED_HINTS = {
+    ("bf16", "loss_scale"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
+    ("bf16", "initial_scale_power"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
+    ("bf16", "loss_scale_window"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
+    ("bf16", "hysteresis"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
+    ("bf16", "min_loss_scale"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
+}
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _homes(root: type[Section], key: str) -> list[str]:
+    """Dotted paths of the blocks (below the top level too) that have a key named `key`."""
+    found: list[str] = []
+    stack: list[tuple[type[Section], tuple[str, ...]]] = [(root, ())]
+    while stack:
+        model, path = stack.pop()
+        if key in model.keys():
+            found.append(_dotted(path) or "the top level")
+        for name in model.model_fields:
+            sub = section_of(model, name)
+            if sub is not None and len(path) < 3:
+                stack.append((sub, path + (name,)))
+    return found
+
+
+def _unknown_key(root: type[Section], loc: tuple[Any, ...]) -> str:
+    key, parent = str(loc[-1]), loc[:-1]
+    where = f"in {_dotted(parent)}" if parent else "at top level"
+    text = f"unknown key {key!r} {where}"
+    hint = _MISPLACED_HINTS.get((_dotted(parent), key))
+    if hint:
+        return f"{text}; {hint}"
+    model = section_at(root, parent)
+    match = closest(key, model.keys()) if model is not None else None
+    if match is not None:
+        return f"{text}; did you mean {match!r}?"
+    homes = [h for h in _homes(root, key) if h != (_dotted(parent) or "the top level")]
+    if homes:
+        return f"{text}; {key!r} belongs in {' or '.join(homes)}"
+    if model is not None and len(model.model_fields) <= 12:
+        return f"{text}; valid keys here: {', '.join(sorted(model.model_fields))}"
+    return text
+
+
+def _expected(error: dict[str, Any]) -> str:
+    kind, msg = error["type"], error["msg"]
+    if kind.startswith("zs_"):
+        return msg
+    if kind == "model_type" or kind == "model_attributes_type":
+        return "expected an object ({...})"
+    if kind in ("dict_type", "dict_attributes_type"):
+        return "expected an object ({...})"
+    if kind == "list_type":
+        return "expected a list"
+    if kind in ("string_type", "str_type"):
+        return "expected a string"
+    if kind == "greater_than":
+        return f"expected a value > {error['ctx']['gt']}"
+    if kind == "greater_than_equal":
+        return f"expected a value >= {error['ctx']['ge']}"
+    if kind == "less_than_equal":
+        return f"expected a value <= {error['ctx']['le']}"
+    if kind == "literal_error":
+        return "expected " + msg.removeprefix("Input should be ")
+    if msg.startswith("Input should be "):
+        return "expected " + msg.removeprefix("Input should be ")
+    return msg.removeprefix("Value error, ")
+
+
+def describe(root: type[Section], error: dict[str, Any]) -> str:
+    """One line for one pydantic error."""
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return _unknown_key(root, loc)
+    if kind == "missing":
+        return f"{_dotted(loc[:-1]) or 'top level'}: missing required key {str(loc[-1])!r}"
+    path = _dotted(loc) or "config"
+    if kind == "zs_rule":
+        return f"{path}: {error['msg']}"
+    return f"{path} = {_show(error.get('input'))}: {_expected(error)}"
+
+
+def to_config_error(root: type[Section], exc: ValidationError, origin: str) -> str:
+    """The message of the single ConfigError replacing `exc`."""
+    lines = list(dict.fromkeys(describe(root, e) for e in exc.errors(include_url=False)))
+    if len(lines) == 1:
+        return f"{origin}: {lines[0]}"
+    return f"{origin}: {len(lines)} problems:\n" + "\n".join(f"  - {line}" for line in lines)

@@ -1,0 +1,175 @@
+"""The `zero_optimization` block (DeepSpeed 0.19.8 `runtime/zero/config.py`, `offload_config.py`).
+
+Field names are DeepSpeed's canonical ones (no `stage3_` prefix); the loader
+rewrites the prefixed aliases and deprecated keys before validation.
+Defaults are DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from zeroshard.config.fields import Bool, NonNegInt, NonNegReal, PosInt, Real, Section, Text
+
+OffloadDeviceName = Literal["none", "cpu", "nvme"]
+
+STAGE3_ALIASES: dict[str, str] = {
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_model_persistence_threshold": "model_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save": "gather_16bit_weights_on_model_save",
+    "stage3_module_granularity_threshold": "module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential": "allgather_sequential",
+}
+DEPRECATED_ZERO_KEYS = (
+    "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+    "stage3_gather_fp16_weights_on_model_save",
+)
+
+
+def _needs_nvme_path(device: str, nvme_path: str | None) -> None:
+    if device == "nvme" and not nvme_path:
+        raise PydanticCustomError(
+            "zs_rule", "device 'nvme' needs nvme_path (a directory on the NVMe drive)")
+
+
+class OffloadParamConfig(Section):
+    """`offload_param`: where stage 3 keeps parameter shards."""
+
+    device: OffloadDeviceName = "none"
+    nvme_path: Text | None = None
+    buffer_count: NonNegInt = 5
+    buffer_size: PosInt = 100_000_000
+    max_in_cpu: NonNegInt = 1_000_000_000
+    pin_memory: Bool = True
+
+    @model_validator(mode="after")
+    def _nvme(self) -> "OffloadParamConfig":
+        _needs_nvme_path(self.device, self.nvme_path)
+        return self
+
+
+class OffloadOptimizerConfig(Section):
+    """`offload_optimizer`: where optimizer states (and the optimizer step) live."""
+
+    device: OffloadDeviceName = "none"
+    nvme_path: Text | None = None
+    buffer_count: NonNegInt = 4
+    pin_memory: Bool = True
+    pipeline: Bool = False
+    pipeline_read: Bool = False
+    pipeline_write: Bool = False
+    fast_init: Bool = False
+    ratio: Real = Field(default=1.0, ge=0.0, le=1.0)
+    super_offload: Bool = False
+    cpuadam_cores_perc: Real = Field(default=0.8, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _nvme(self) -> "OffloadOptimizerConfig":
+        _needs_nvme_path(self.device, self.nvme_path)
+        return self
+
+
+class ZenFlowConfig(Section):
+    """`zenflow`: selective optimizer offload (read only to refuse it for now)."""
+
+    topk_ratio: NonNegReal = 0.1
+    select_strategy: Text = "auto"
+    select_interval: Any = "auto"
+    update_interval: Any = "auto"
+    overlap_step: Bool = False
+    offload: Bool = False
+    auto_ratio: NonNegReal = 0.99
+    full_warm_up_rounds: NonNegInt = 0
+    steps_per_epoch: Any = None
+    pt_reserved_cores_perc: NonNegReal = 0.5
+
+
+class LeafModuleConfig(Section):
+    """`leaf_module`: modules gathered as one unit under stage 3."""
+
+    classes: list[str] = Field(default_factory=list)
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+
+class ZeroConfig(Section):
+    """`zero_optimization`."""
+
+    spellings = tuple(STAGE3_ALIASES) + DEPRECATED_ZERO_KEYS + ("aio",)
+
+    stage: NonNegInt = 0
+    contiguous_gradients: Bool = True
+    reduce_scatter: Bool = True
+    reduce_bucket_size: PosInt = 500_000_000
+    use_multi_rank_bucket_allreduce: Bool = True
+    allgather_partitions: Bool = True
+    allgather_bucket_size: PosInt = 500_000_000
+    overlap_comm: Bool | None = None
+    compute_grad_norm: Bool = True
+    load_from_fp32_weights: Bool = True
+    elastic_checkpoint: Bool = False
+    offload_param: OffloadParamConfig | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    zenflow: ZenFlowConfig | None = None
+    sub_group_size: NonNegInt = 1_000_000_000
+    # Stage 3 (0 prefetch means "no prefetch" in DeepSpeed, so it is allowed).
+    prefetch_bucket_size: NonNegInt = 50_000_000
+    param_persistence_threshold: NonNegInt = 100_000
+    model_persistence_threshold: NonNegInt = sys.maxsize
+    max_live_parameters: NonNegInt = 1_000_000_000
+    max_reuse_distance: NonNegInt = 1_000_000_000
+    gather_16bit_weights_on_model_save: Bool = False
+    module_granularity_threshold: NonNegInt = 0
+    use_all_reduce_for_fetch_params: Bool = False
+    allgather_sequential: Bool = False
+    memory_efficient_linear: Bool = True
+    pipeline_loading_checkpoint: Bool = False
+    override_module_apply: Bool = True
+    log_trace_cache_warnings: Bool = False
+    enable_sanity_checks: Bool = False
+    save_muon_momentum_buffer_in_memory: Bool = False
+    leaf_module: LeafModuleConfig | None = None
+    # Stages 1/2.
+    ignore_unused_parameters: Bool = True
+    legacy_stage1: Bool = False
+    round_robin_gradients: Bool = False
+    parameter_alignment: Bool = False
+    # ZeRO++.
+    zero_hpz_partition_size: NonNegInt = 1
+    zero_quantized_weights: Bool = False
+    zero_quantized_nontrainable_weights: Bool = False
+    zero_quantized_gradients: Bool = False
+
+    @field_validator("stage")
+    @classmethod
+    def _stage_range(cls, stage: int) -> int:
+        if stage not in (0, 1, 2, 3):
+            raise PydanticCustomError("zs_value", "stage must be 0, 1, 2 or 3")
+        return stage
+
+    @field_validator("compute_grad_norm")
+    @classmethod
+    def _grad_norm_stage(cls, compute: bool, info: ValidationInfo) -> bool:
+        stage = info.data.get("stage")
+        if not compute and stage is not None and stage not in (1, 2):
+            raise PydanticCustomError(
+                "zs_value", "only allowed at stage 1 or 2 (this config has stage {stage}); "
+                "clipping and the reported norm need it", {"stage": stage})
+        return compute
+
+    @model_validator(mode="after")
+    def _partial_offload(self) -> "ZeroConfig":
+        opt = self.offload_optimizer
+        if opt is not None and opt.ratio < 1.0 and self.stage != 3:
+            raise PydanticCustomError(
+                "zs_rule",
+                "offload_optimizer.ratio < 1 (partial offload) requires stage 3, as in DeepSpeed")
+        return self
