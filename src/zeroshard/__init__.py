@@ -1,1 +1,18 @@
-"""zeroshard: ZeRO stages for PyTorch."""
+"""zeroshard: ZeRO stages for PyTorch, small, measured, DeepSpeed-config compatible."""
+
+from zeroshard.api import Engine, initialize
+from zeroshard.policies import (
+    CheckpointError,
+    CommError,
+    CommTimeoutError,
+    ConfigError,
+    NotSupportedYetError,
+    ZeroShardError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "CommError", "CommTimeoutError", "ConfigError", "Engine",
+    "NotSupportedYetError", "ZeroShardError", "__version__", "initialize",
+]

@@ -1,0 +1,13 @@
+"""Stage strategies: how gradients (and, at stage 3, parameters) are stored and reduced."""
+
+from zeroshard.stages.gradients import (
+    AllReducedGradients,
+    BucketedGradients,
+    PartitionedGradients,
+    ScatteredGradients,
+)
+from zeroshard.stages.params import ParamPublisher
+from zeroshard.stages.strategy import build_gradients, shard_count_for
+
+__all__ = ["AllReducedGradients", "BucketedGradients", "ParamPublisher", "PartitionedGradients",
+           "ScatteredGradients", "build_gradients", "shard_count_for"]

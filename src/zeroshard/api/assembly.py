@@ -1,0 +1,67 @@
+"""Putting a model into buckets: which parameters train, their layout, their storage.
+
+Kept apart from the Engine so the Engine reads as the training loop it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm, Handle
+from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
+
+ALIGN_BYTES = 16  # each shard starts on a 16-byte boundary (vectorised kernels, NCCL)
+
+
+@dataclass
+class ModelParts:
+    names: dict[int, str]  # id(param) -> first name (tied parameters appear once)
+    trainable: list[nn.Parameter]
+    frozen: list[nn.Parameter]
+
+
+def split_parameters(module: nn.Module) -> ModelParts:
+    names: dict[int, str] = {}
+    trainable, frozen = [], []
+    for name, p in module.named_parameters():
+        names[id(p)] = name
+        (trainable if p.requires_grad else frozen).append(p)
+    return ModelParts(names, trainable, frozen)
+
+
+def build_buckets(parts: ModelParts, group_of: dict[int, int], bucket_numel: int, shard_count: int,
+                  shard_index: int, memory: MemoryLedger) -> list[FlatBucket]:
+    if not parts.trainable:
+        return []
+    infos = [ParamInfo(parts.names[id(p)], tuple(p.shape), str(p.dtype), group_of[id(p)]) for p in parts.trainable]
+    itemsize = min(p.element_size() for p in parts.trainable)
+    layouts = plan_buckets(infos, bucket_numel, shard_count, alignment=max(1, ALIGN_BYTES // itemsize))
+    return [FlatBucket(lay, [parts.trainable[s.index] for s in lay.slots], shard_index, memory) for lay in layouts]
+
+
+def broadcast_model(module: nn.Module, buckets: list[FlatBucket], comm: Comm) -> None:
+    """Make every rank start from rank 0's parameters and buffers (one call per bucket)."""
+    if comm.world_size == 1:
+        return
+    in_buckets = {id(p) for b in buckets for p in b.params}
+    handles: list[Handle] = [comm.broadcast(b.data, 0, what=f"initial parameters, bucket {b.layout.index}")
+                             for b in buckets]
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if id(t) not in in_buckets:
+            handles.append(comm.broadcast(t.data, 0, what=f"initial value of {name}"))
+    for h in handles:
+        h.wait()
+
+
+def full_fp32_buckets(buckets: list[FlatBucket], masters: list[torch.Tensor], comm: Comm, sharded: bool):
+    """Yield (bucket, full fp32 buffer) one bucket at a time: peak = one bucket in fp32."""
+    for bucket, master in zip(buckets, masters):
+        if not sharded:
+            yield bucket, master
+            continue
+        full = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=master.device)
+        comm.all_gather(full, master, what=f"full state dict, bucket {bucket.layout.index}").wait()
+        yield bucket, full

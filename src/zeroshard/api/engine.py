@@ -1,0 +1,286 @@
+"""The Engine: forward, backward, step over a data-parallel, ZeRO-sharded model.
+
+    engine = zeroshard.initialize(model, "ds_config.json")
+    for x, y in batches:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()          # acts only at the gradient-accumulation boundary
+
+A micro-step is one backward; every `gradient_accumulation_steps` micro-steps the
+optimizer steps (a global step). Gradients are averaged over ranks and micro-steps,
+so N ranks with micro-batch b train like one process with batch N x b x accumulation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from zeroshard.api.assembly import (
+    broadcast_model,
+    build_buckets,
+    full_fp32_buckets,
+    split_parameters,
+)
+from zeroshard.api.banner import startup_banner
+from zeroshard.comm import Comm, CommLedger, Topology
+from zeroshard.optim.clipping import clip_coefficient, global_grad_norm
+from zeroshard.optim.loss_scaler import make_loss_scaler
+from zeroshard.optim.schedulers import build_scheduler
+from zeroshard.optim.sharded import ShardedOptimizer
+from zeroshard.optim.template import OptimizerArg, plan_optimizer
+from zeroshard.partition import MemoryLedger
+from zeroshard.policies import ConfigError, Settings
+from zeroshard.stages import ParamPublisher, build_gradients, shard_count_for
+
+log = logging.getLogger("zeroshard")
+
+SchedulerArg = torch.optim.lr_scheduler.LRScheduler | Callable[[torch.optim.Optimizer], Any] | None
+
+
+class Engine:
+    def __init__(self, module: nn.Module, settings: Settings, topology: Topology,
+                 optimizer: OptimizerArg = None, lr_scheduler: SchedulerArg = None) -> None:
+        self.settings, self.topology = settings, topology
+        self.comm = Comm(topology, CommLedger(topology.world_size), settings.runtime.comm_timeout_s)
+        self.memory = MemoryLedger()
+        self.compute_dtype = settings.precision.compute.dtype
+        module.to(topology.device)
+        if self.compute_dtype != torch.float32:
+            module.to(self.compute_dtype)
+        self.module = module
+        zero = settings.zero
+
+        parts = split_parameters(module)
+        self.plan = plan_optimizer(optimizer, settings.optimizer, parts.trainable, topology.device)
+        shards = shard_count_for(zero.stage, topology.world_size)
+        self.buckets = build_buckets(parts, self.plan.group_of, zero.reduce_bucket_size, shards,
+                                     topology.rank if shards > 1 else 0, self.memory)
+        self.frozen_bytes = sum(p.numel() * p.element_size() for p in parts.frozen)
+        self.memory.hold("params", "frozen", self.frozen_bytes)
+        broadcast_model(module, self.buckets, self.comm)
+
+        self.grads = build_gradients(settings, self.buckets, self.comm, self.memory)
+        self.publisher = ParamPublisher(self.buckets, self.comm, self.memory, zero.allgather_bucket_size)
+        self.optimizer = ShardedOptimizer(self.buckets, self.plan.build, self.plan.group_options,
+                                          self.memory, zero.sub_group_size)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
+        self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)
+
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._timers: dict[str, float] = defaultdict(float)
+        self.comm.where = "step 0"
+        if topology.rank == 0:
+            for line in startup_banner(self, parts):
+                log.info(line)
+
+    # -- the training loop ------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self.comm.where = f"step {self.global_steps}, forward"
+        if self.settings.runtime.cast_forward_inputs and self.compute_dtype != torch.float32:
+            args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
+        started = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        self._timers["forward"] += time.perf_counter() - started
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate `loss` (scaled for fp16 and divided by the accumulation steps);
+        gradient reductions run inside, overlapping backward where the stage allows."""
+        self.comm.where = f"step {self.global_steps}, backward (micro-step {self.micro_steps})"
+        gas = self.settings.batch.gradient_accumulation_steps
+        started = time.perf_counter()
+        self.grads.begin_backward(self.is_gradient_accumulation_boundary(), self.micro_steps % gas == 0)
+        scale = self.loss_scaler.scale / gas
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self.grads.end_backward()
+        self._timers["backward"] += time.perf_counter() - started
+        return loss
+
+    def step(self) -> None:
+        """At the accumulation boundary: clip, step the sharded optimizer, publish parameters."""
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        self.comm.where = f"step {self.global_steps}, optimizer step"
+        started = time.perf_counter()
+        loss_scale = self.loss_scaler.scale
+        raw = self._raw_grad_norm()
+        overflow = raw is not None and not math.isfinite(raw)
+        self._grad_norm = raw / loss_scale if raw is not None else None
+        if overflow:
+            self.skipped_steps += 1
+            log.warning("step %d skipped: gradient norm is %s at loss scale %g (%d skipped so far)",
+                        self.global_steps, raw, loss_scale, self.skipped_steps)
+        else:
+            coef = clip_coefficient(self._grad_norm or 0.0, self.settings.gradient_clipping) / loss_scale
+            publish = self.publisher.publish if self.grads.publishes_params else (lambda b: None)
+            self.optimizer.step(self.grads.grad_shard, coef, publish)
+            self.publisher.wait()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self.grads.zero_grads()
+        self.global_steps += 1
+        self.micro_steps += 1
+        self._timers["step"] += time.perf_counter() - started
+        self.comm.where = f"step {self.global_steps}"
+        self._maybe_print()
+
+    def _raw_grad_norm(self) -> float | None:
+        """Norm of the still loss-scaled gradient; inf or nan means overflow on some rank.
+        None when `compute_grad_norm` is off (and no fp16 overflow check is needed)."""
+        if not (self.settings.zero.compute_grad_norm or self.settings.precision.loss_scale):
+            return None
+        shards = [self.grads.grad_shard(b) for b in range(len(self.buckets))]
+        return global_grad_norm(shards, self.comm, self.grads.partitioned)
+
+    # -- DeepSpeed-style accessors ----------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.settings.batch.gradient_accumulation_steps == 0
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (None before any step)."""
+        return self._grad_norm
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.settings.batch.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.settings.batch.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.settings.batch.train_batch_size
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    # -- ledgers ------------------------------------------------------------------------------
+    def comm_stats(self) -> dict[str, dict[str, float | int]]:
+        """Per collective: calls, elements (full logical tensor), bytes, sent_bytes, seconds."""
+        return self.comm.ledger.stats()
+
+    def reset_comm_stats(self) -> None:
+        self.comm.ledger.reset()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes held now by category (params, grads, optimizer_states, comm_buffers), and peak_*."""
+        return self.memory.stats()
+
+    def reset_memory_stats(self) -> None:
+        self.memory.reset_peaks()
+
+    def timers(self) -> dict[str, float]:
+        """Cumulative seconds in forward, backward and step (wall_clock_breakdown)."""
+        return dict(self._timers)
+
+    # -- state -------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{name: full fp32 tensor on CPU} on every rank, trainable values from the fp32 masters,
+        gathered one bucket at a time. Tied parameters appear under each of their names."""
+        where = {id(p): (b, s) for b, bucket in enumerate(self.buckets) for s, p in enumerate(bucket.params)}
+        entries = self.module.state_dict(keep_vars=True)
+        by_bucket: dict[int, torch.Tensor] = {}
+        sharded = self.grads.partitioned
+        for bucket, full in full_fp32_buckets(self.buckets, self.optimizer.masters, self.comm, sharded):
+            by_bucket[bucket.layout.index] = full.cpu()
+        out: dict[str, torch.Tensor] = {}
+        for name, t in entries.items():
+            if id(t) in where:
+                b, s = where[id(t)]
+                slot = self.buckets[b].slots[s]
+                out[name] = by_bucket[b][slot.offset : slot.end].view(slot.shape).clone()
+            else:
+                t = t.detach()
+                out[name] = (t.float() if t.is_floating_point() else t).cpu().clone()
+        return out
+
+    def close(self) -> None:
+        """Remove hooks, and destroy the process group if `initialize` created it."""
+        self.grads.remove_hooks()
+        self.topology.destroy()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _make_scheduler(self, arg: SchedulerArg, user_optimizer: OptimizerArg):
+        inner = self.optimizer.optimizer
+        if arg is None:
+            spec = self.settings.scheduler
+            return build_scheduler(spec, inner) if spec is not None else None
+        if isinstance(arg, torch.optim.lr_scheduler.LRScheduler):
+            if arg.optimizer is not user_optimizer:
+                raise ConfigError("lr_scheduler must be built over the optimizer given to initialize(), "
+                                  "or be a callable optimizer -> scheduler")
+            arg.optimizer = inner  # same groups, same order: rebinding keeps its base_lrs
+            for group, lr in zip(inner.param_groups, arg.get_last_lr()):
+                group["lr"] = lr
+            return arg
+        return arg(inner)
+
+    def _maybe_print(self) -> None:
+        every = self.settings.steps_per_print
+        if not every or self.global_steps % every or self.rank != 0:
+            return
+        mem = self.memory_stats()
+        log.info("step %d | lr %s | grad norm %.4g | loss scale %g | skipped %d | MB params %.1f grads %.1f "
+                 "optim %.1f", self.global_steps, ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
+                 self._grad_norm or 0.0, self.loss_scale, self.skipped_steps, mem["params"] / 2**20,
+                 mem["grads"] / 2**20, mem["optimizer_states"] / 2**20)
+        if self.settings.wall_clock_breakdown:
+            log.info("time (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in self._timers.items()))
+        if self.settings.comms_logger.enabled:
+            for op, s in self.comm_stats().items():
+                if s["calls"]:
+                    log.info("comm %-14s calls %d elements %d sent MB %.2f s %.3f", op, s["calls"],
+                             s["elements"], s["sent_bytes"] / 2**20, s["seconds"])
+
+
+def _cast_floats(obj, dtype: torch.dtype):
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+

@@ -1,0 +1,71 @@
+"""CommLedger: every collective this rank issues, counted exactly.
+
+`elements` is the numel of the full, unsharded logical tensor (what the ZeRO paper
+counts); `sent_bytes` is what this rank puts on the wire for a ring algorithm:
+all-reduce 2(N-1)/N, reduce-scatter, all-gather and all-to-all (N-1)/N of the full
+tensor, broadcast the whole tensor (a pipelined chain forwards it once per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+
+# Paper units: a ring all-reduce is a reduce-scatter plus an all-gather.
+PAPER_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1}
+
+
+def ring_sent_bytes(op: str, nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends for `op` over a tensor of `nbytes` with a ring algorithm."""
+    if world_size <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (world_size - 1) * nbytes // world_size
+    if op == "broadcast":
+        return nbytes
+    return (world_size - 1) * nbytes // world_size
+
+
+@dataclass
+class OpTotals:
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+    sent_bytes: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"calls": self.calls, "elements": self.elements, "bytes": self.bytes,
+                "sent_bytes": self.sent_bytes, "seconds": self.seconds}
+
+
+class CommLedger:
+    """Cumulative totals per collective since the last `reset()`."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._totals = {op: OpTotals() for op in COLLECTIVES}
+
+    def record(self, op: str, dtype: torch.dtype, elements: int, world_size: int | None = None) -> OpTotals:
+        """Count one call; returns the totals entry so the caller can add its time later."""
+        n = self.world_size if world_size is None else world_size
+        nbytes = elements * torch.empty((), dtype=dtype).element_size()
+        t = self._totals[op]
+        t.calls += 1
+        t.elements += elements
+        t.bytes += nbytes
+        t.sent_bytes += ring_sent_bytes(op, nbytes, n)
+        return t
+
+    def reset(self) -> None:
+        self._totals = {op: OpTotals() for op in COLLECTIVES}
+
+    def stats(self) -> dict[str, dict[str, float | int]]:
+        return {op: t.as_dict() for op, t in self._totals.items()}
+
+    def paper_elements(self) -> int:
+        """Volume in the ZeRO paper's units (all-reduce counts twice its elements)."""
+        return sum(PAPER_FACTOR[op] * t.elements for op, t in self._totals.items())

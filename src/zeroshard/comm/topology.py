@@ -1,0 +1,85 @@
+"""Process group and device: one validated object, created once by `setup_topology`.
+
+Uses the default process group when one exists (a user or a test made it), else
+creates it from torchrun's environment, else runs as a single process (world 1).
+It remembers whether it created the group, and only then destroys it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.policies import CommError
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str  # "gloo", "nccl" or "none" (single process, no group)
+    owns_group: bool
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend != "none"
+
+    def destroy(self) -> None:
+        """Destroy the default group, but only if this topology created it."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def world_size_hint() -> int:
+    """World size before any group exists: the live group's, else torchrun's, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _device_for(local_rank: int, backend: str) -> torch.device:
+    if backend == "nccl" or (backend == "none" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank % max(torch.cuda.device_count(), 1))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def setup_topology(timeout_s: float) -> Topology:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    owns = False
+    if not dist.is_initialized():
+        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and missing:
+            raise CommError(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: "
+                "launch with `torchrun` (or `zeroshard launch`), which sets all of them."
+            )
+        if missing:
+            device = _device_for(local_rank, "none")
+            return Topology(0, 1, 0, 1, device, "none", False)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device = _device_for(local_rank, backend)
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        owns = True
+    backend = dist.get_backend()
+    device = _device_for(local_rank, "nccl" if "nccl" in str(backend) else "gloo")
+    return Topology(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=min(local_world, dist.get_world_size()),
+        device=device,
+        backend=str(backend),
+        owns_group=owns,
+    )

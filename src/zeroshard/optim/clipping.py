@@ -1,0 +1,29 @@
+"""Global gradient norm over shards, and the clipping coefficient (torch's formula)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zeroshard.comm import Comm
+
+
+def global_grad_norm(shards: list[torch.Tensor], comm: Comm, partitioned: bool) -> float:
+    """L2 norm of the whole gradient. Shards held by different ranks (`partitioned`) are
+    combined with one 1-element all-reduce of the sum of squares; inf/nan propagate, so the
+    same number tells every rank whether any rank overflowed."""
+    device = shards[0].device if shards else torch.device("cpu")
+    sq = torch.zeros(1, dtype=torch.float32, device=device)
+    for g in shards:
+        sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    if partitioned and comm.world_size > 1:
+        comm.all_reduce(sq, what="global gradient norm").wait()
+    return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float(sq.item())
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """As `torch.nn.utils.clip_grad_norm_`: max_norm / (norm + 1e-6), at most 1. 0 disables."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

@@ -1,0 +1,56 @@
+"""FlatBucket: the one owner of a bucket's parameter storage.
+
+Parameters become views into one contiguous buffer, so a collective over the
+buffer reads and writes every parameter in place, with no copy in or out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zeroshard.partition.layout import BucketLayout, Slot
+from zeroshard.partition.memory import MemoryLedger
+
+
+def slot_views(buffer: torch.Tensor, layout: BucketLayout) -> list[torch.Tensor]:
+    """One view of `buffer` per slot, shaped like its parameter."""
+    return [buffer[s.offset : s.end].view(s.shape) for s in layout.slots]
+
+
+class FlatBucket:
+    def __init__(
+        self,
+        layout: BucketLayout,
+        params: list[nn.Parameter],
+        shard_index: int,
+        memory: MemoryLedger,
+    ) -> None:
+        if len(params) != len(layout.slots):
+            raise ValueError("one parameter per slot expected")
+        self.layout = layout
+        self.params = params
+        self.shard_index = shard_index
+        self.key = f"bucket{layout.index}"
+        first = params[0]
+        self.data = torch.zeros(layout.padded_numel, dtype=first.dtype, device=first.device)
+        for view, param in zip(slot_views(self.data, layout), params):
+            view.copy_(param.detach())
+            param.data = view
+        memory.hold("params", self.key, self.data.numel() * self.data.element_size())
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return self.layout.slots
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.layout.shard_range(self.shard_index)
+
+    def shard(self) -> torch.Tensor:
+        """This rank's slice of the parameter buffer (a view)."""
+        lo, hi = self.shard_range
+        return self.data[lo:hi]
+
+    def zeros_like_data(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros_like(self.data, dtype=dtype or self.data.dtype)

@@ -1,0 +1,50 @@
+"""MemoryLedger: bytes this rank holds, by category and tier, now and at peak.
+
+Owners of storage call `hold(category, key, nbytes)` when they allocate (or resize)
+and `release(category, key)` when they free; the ledger keeps per-category totals
+and their peaks since `reset_peaks()`. Numbers are exact tensor sizes, not
+allocator readings, so tests can assert them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+CATEGORIES = ("params", "grads", "optimizer_states", "comm_buffers")
+TIERS = ("device", "host", "nvme")
+
+
+class MemoryLedger:
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str], tuple[int, str]] = {}
+        self._now: dict[str, int] = defaultdict(int)
+        self._peak: dict[str, int] = defaultdict(int)
+        self._tier_now: dict[str, int] = defaultdict(int)
+
+    def hold(self, category: str, key: str, nbytes: int, tier: str = "device") -> None:
+        if category not in CATEGORIES or tier not in TIERS:
+            raise ValueError(f"unknown memory category/tier {category!r}/{tier!r}")
+        self.release(category, key)
+        self._held[(category, key)] = (nbytes, tier)
+        self._now[category] += nbytes
+        self._tier_now[tier] += nbytes
+        self._peak[category] = max(self._peak[category], self._now[category])
+
+    def release(self, category: str, key: str) -> None:
+        entry = self._held.pop((category, key), None)
+        if entry is not None:
+            nbytes, tier = entry
+            self._now[category] -= nbytes
+            self._tier_now[tier] -= nbytes
+
+    def holds(self, category: str, key: str) -> bool:
+        return (category, key) in self._held
+
+    def reset_peaks(self) -> None:
+        self._peak = defaultdict(int, {c: self._now[c] for c in CATEGORIES})
+
+    def stats(self) -> dict[str, int]:
+        out = {c: self._now[c] for c in CATEGORIES}
+        out.update({f"peak_{c}": self._peak[c] for c in CATEGORIES})
+        out.update({f"tier_{t}": self._tier_now[t] for t in TIERS})
+        return out

@@ -1,0 +1,324 @@
+"""Gradient storage and reduction for stages 0, 1 and 2: strategies over FlatBuckets.
+
+One class, `BucketedGradients`, runs the life of a bucket's gradient in a micro-step:
+arrive (post-accumulate-grad hook) -> bucket complete -> reduction launched
+(overlapping the rest of backward) -> finished at the end of backward. Subclasses
+choose only where the gradient lives and which collective reduces it:
+
+  stage 0  `AllReducedGradients`    full buffer kept; all-reduce at the boundary
+  stage 1  `ScatteredGradients`     full buffer kept; reduce-scatter at the boundary
+  stage 2  `PartitionedGradients`   full buffer only while in flight; reduce-scatter every
+                                   micro-step into a persistent shard accumulator
+
+Gradients are pre-divided by the world size before the sum, so a reduced gradient is
+the mean over ranks (and fp16 sums do not overflow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm, Handle
+from zeroshard.partition import FlatBucket, MemoryLedger, slot_views
+from zeroshard.policies import ZeroShardError
+
+MAX_IN_FLIGHT = 2  # stage 2: buckets whose reduction may run at once (bounds transient memory)
+
+
+@dataclass
+class _Pending:
+    bucket: int
+    handle: Handle
+    finish: Callable[[], None]
+
+
+@dataclass
+class _MicroState:
+    reduce: bool = False  # does this micro-step reduce gradients?
+    first: bool = True  # first micro-step of an accumulation window
+    ready: list[set[int]] = field(default_factory=list)
+    launched: list[bool] = field(default_factory=list)
+
+
+class BucketedGradients:
+    """Base strategy. `shard_count` is how many ways the optimizer state is split."""
+
+    partitioned = True  # grad shards differ per rank: the norm needs an all-reduce
+    publishes_params = True  # params must be all-gathered after the optimizer step
+
+    def __init__(self, buckets: list[FlatBucket], comm: Comm, memory: MemoryLedger,
+                 reduce_dtype: torch.dtype, overlap: bool, ignore_unused: bool) -> None:
+        self.buckets, self.comm, self.memory = buckets, comm, memory
+        self.reduce_dtype, self.overlap, self.ignore_unused = reduce_dtype, overlap, ignore_unused
+        self._state = _MicroState()
+        self._pending: list[_Pending] = []
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook(b, s))
+            for b, bucket in enumerate(buckets) for s, p in enumerate(bucket.params)
+        ]
+
+    # -- engine-facing lifecycle --------------------------------------------------
+    def begin_backward(self, boundary: bool, first_micro: bool) -> None:
+        self._state = _MicroState(
+            reduce=self._reduces(boundary), first=first_micro,
+            ready=[set() for _ in self.buckets], launched=[False] * len(self.buckets),
+        )
+
+    def end_backward(self) -> None:
+        """Launch what backward did not complete (unused parameters count as zero), then wait."""
+        st = self._state
+        if st.reduce:
+            missing = [self.buckets[b].slots[s].name for b in range(len(self.buckets))
+                       for s in range(len(self.buckets[b].slots)) if s not in st.ready[b]]
+            if missing and not self.ignore_unused:
+                raise ZeroShardError(
+                    f"{len(missing)} trainable parameters got no gradient this step (first: "
+                    f"{missing[:3]}); set zero_optimization.ignore_unused_parameters=true to "
+                    "treat them as zero, or freeze them (requires_grad=False)."
+                )
+            for b in range(len(self.buckets)):
+                if not st.launched[b]:
+                    self._launch(b)
+        self.wait_all()
+
+    def wait_all(self) -> None:
+        while self._pending:
+            self._retire(self._pending.pop(0))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- hooks ----------------------------------------------------------------------
+    def _hook(self, b: int, s: int):
+        def on_grad(param: nn.Parameter) -> None:
+            st = self._state
+            if not st.ready:  # backward outside engine.backward(): nothing to schedule
+                return
+            if s in st.ready[b] and st.launched[b]:
+                raise ZeroShardError(
+                    f"parameter '{self.buckets[b].slots[s].name}' received a second gradient in one "
+                    "backward pass after its bucket was already reduced (a parameter used inside and "
+                    "outside a reentrant checkpoint?); set zero_optimization.overlap_comm=false."
+                )
+            self._arrive(b, s, param)
+            st.ready[b].add(s)
+            if st.reduce and self.overlap and len(st.ready[b]) == len(self.buckets[b].slots):
+                self._launch(b)
+        return on_grad
+
+    def _launch(self, b: int) -> None:
+        self._state.launched[b] = True
+        full = self._full_grad(b)
+        if self.comm.world_size > 1:
+            full.mul_(1.0 / self.comm.world_size)
+        wire = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
+        if wire is not full:
+            self.memory.hold("comm_buffers", f"wire{b}", wire.numel() * wire.element_size())
+        handle, land = self._collective(b, wire)
+
+        def finish() -> None:
+            if wire is not full:
+                land(wire, full)
+                self.memory.release("comm_buffers", f"wire{b}")
+            self._after_reduce(b, full)
+
+        self._pending.append(_Pending(b, handle, finish))
+        while len(self._pending) > self._max_in_flight():
+            self._retire(self._pending.pop(0))
+
+    def _retire(self, pending: _Pending) -> None:
+        pending.handle.wait()
+        pending.finish()
+
+    # -- what subclasses decide -------------------------------------------------------
+    def _reduces(self, boundary: bool) -> bool:
+        return boundary
+
+    def _max_in_flight(self) -> int:
+        return len(self.buckets)
+
+    def _arrive(self, b: int, s: int, param: nn.Parameter) -> None:
+        """A gradient for slot s of bucket b has been accumulated into param.grad."""
+
+    def _full_grad(self, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _collective(self, b: int, wire: torch.Tensor):
+        """Issue the reduction; return (handle, copy-back function for a cast wire buffer)."""
+        raise NotImplementedError
+
+    def _after_reduce(self, b: int, full: torch.Tensor) -> None:
+        """The reduction of bucket b has landed in `full`."""
+
+    def grad_shard(self, b: int) -> torch.Tensor:
+        """The reduced mean gradient of this rank's shard of bucket b."""
+        raise NotImplementedError
+
+    def zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def grad_bytes_in_flight(self) -> int:
+        return 0
+
+
+class _PersistentGradients(BucketedGradients):
+    """Stages 0 and 1: a full gradient buffer per bucket; `param.grad` is a view into it,
+    so autograd accumulates micro-steps in place and nothing is copied."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.grads = []
+        for bucket in self.buckets:
+            g = bucket.zeros_like_data()
+            self.grads.append(g)
+            self.memory.hold("grads", bucket.key, g.numel() * g.element_size())
+        self._views = [slot_views(g, bucket.layout) for g, bucket in zip(self.grads, self.buckets)]
+        self._attach()
+
+    def _attach(self) -> None:
+        for bucket, views in zip(self.buckets, self._views):
+            for p, v in zip(bucket.params, views):
+                if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                    if p.grad is not None:  # someone replaced the view: keep what it holds
+                        v.add_(p.grad)
+                    p.grad = v
+
+    def begin_backward(self, boundary: bool, first_micro: bool) -> None:
+        self._attach()
+        super().begin_backward(boundary, first_micro)
+
+    def _arrive(self, b: int, s: int, param: nn.Parameter) -> None:
+        view = self._views[b][s]
+        if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+            view.add_(param.grad)  # autograd stole the slot (e.g. after zero_grad(set_to_none))
+            param.grad = view
+
+    def _full_grad(self, b: int) -> torch.Tensor:
+        return self.grads[b]
+
+    def zero_grads(self) -> None:
+        for g in self.grads:
+            g.zero_()
+        self._attach()
+
+
+class AllReducedGradients(_PersistentGradients):
+    """Stage 0: plain data parallelism, bucketed all-reduce."""
+
+    partitioned = False
+    publishes_params = False
+
+    def _collective(self, b, wire):
+        handle = self.comm.all_reduce(wire, what=f"gradient bucket {b}")
+        return handle, lambda w, full: full.copy_(w)
+
+    def grad_shard(self, b: int) -> torch.Tensor:
+        return self.grads[b]
+
+
+class _Scatter:
+    """Reduce-scatter into the owner's slice of the full buffer, in place.
+
+    With `use_all_reduce` (zero_optimization.reduce_scatter=false) it all-reduces the
+    whole bucket instead, as DeepSpeed does, and keeps the owned slice: 2x the volume."""
+
+    use_all_reduce = False
+    buckets: list[FlatBucket]
+    comm: Comm
+
+    def _collective(self, b, wire):
+        lo, hi = self.buckets[b].shard_range
+        if self.use_all_reduce:
+            handle = self.comm.all_reduce(wire, what=f"gradient bucket {b}")
+        else:
+            handle = self.comm.reduce_scatter(wire[lo:hi], wire, what=f"gradient bucket {b}")
+        return handle, lambda w, full: full[lo:hi].copy_(w[lo:hi])
+
+
+class ScatteredGradients(_Scatter, _PersistentGradients):
+    """Stage 1: full gradients kept across micro-steps, reduce-scattered at the boundary."""
+
+    def __init__(self, *args, use_all_reduce: bool = False, **kwargs) -> None:
+        self.use_all_reduce = use_all_reduce
+        super().__init__(*args, **kwargs)
+
+    def grad_shard(self, b: int) -> torch.Tensor:
+        lo, hi = self.buckets[b].shard_range
+        return self.grads[b][lo:hi]
+
+
+class PartitionedGradients(_Scatter, BucketedGradients):
+    """Stage 2: only the shard accumulator persists; a bucket's full gradient exists from
+    its first gradient until its reduce-scatter lands (`contiguous_gradients` copies each
+    gradient into it on arrival; otherwise they stay in `param.grad` until the bucket is
+    complete), and every micro-step reduces, so nothing full is kept across micro-steps."""
+
+    def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False, **kwargs) -> None:
+        self.contiguous, self.use_all_reduce = contiguous, use_all_reduce
+        super().__init__(*args, **kwargs)
+        self.shards = []
+        for bucket in self.buckets:
+            shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.data.dtype, device=bucket.data.device)
+            self.shards.append(shard)
+            self.memory.hold("grads", f"{bucket.key}.shard", shard.numel() * shard.element_size())
+        self._full: dict[int, torch.Tensor] = {}
+
+    def _reduces(self, boundary: bool) -> bool:
+        return True
+
+    def _max_in_flight(self) -> int:
+        return MAX_IN_FLIGHT
+
+    def begin_backward(self, boundary: bool, first_micro: bool) -> None:
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.grad = None
+        super().begin_backward(boundary, first_micro)
+
+    def _buffer(self, b: int) -> torch.Tensor:
+        if b not in self._full:
+            self._full[b] = self.buckets[b].zeros_like_data()
+            nbytes = self._full[b].numel() * self._full[b].element_size()
+            self.memory.hold("grads", f"{self.buckets[b].key}.full", nbytes)
+        return self._full[b]
+
+    def _arrive(self, b: int, s: int, param: nn.Parameter) -> None:
+        if not self.contiguous:
+            key = f"{self.buckets[b].key}.{s}"
+            self.memory.hold("grads", key, param.grad.numel() * param.grad.element_size())
+            return
+        slot = self.buckets[b].slots[s]
+        self._buffer(b)[slot.offset : slot.end].view(slot.shape).add_(param.grad)
+        param.grad = None
+
+    def _full_grad(self, b: int) -> torch.Tensor:
+        full = self._buffer(b)
+        if not self.contiguous:
+            for s, (slot, p) in enumerate(zip(self.buckets[b].slots, self.buckets[b].params)):
+                if p.grad is not None:
+                    full[slot.offset : slot.end].view(slot.shape).add_(p.grad)
+                    p.grad = None
+                self.memory.release("grads", f"{self.buckets[b].key}.{s}")
+        return full
+
+    def _after_reduce(self, b: int, full: torch.Tensor) -> None:
+        lo, hi = self.buckets[b].shard_range
+        if self._state.first:
+            self.shards[b].copy_(full[lo:hi])
+        else:
+            self.shards[b].add_(full[lo:hi])
+        del self._full[b]
+        self.memory.release("grads", f"{self.buckets[b].key}.full")
+
+    def grad_shard(self, b: int) -> torch.Tensor:
+        return self.shards[b]
+
+    def zero_grads(self) -> None:
+        for shard in self.shards:
+            shard.zero_()
