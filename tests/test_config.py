@@ -681,3 +681,10 @@ def test_config_layer_imports_only_policies_and_no_torch():
                 assert not name.startswith("torch"), (file.name, name)
                 if name.startswith("zeroshard"):
                     assert name == "zeroshard.policies" or name.startswith("zeroshard.config"), (file.name, name)
+
+
+def test_block_at_wrong_level_says_where_it_belongs():
+    msg = _error({"offload_optimizer": {"device": "cpu"}})
+    assert "unknown key 'offload_optimizer' at top level" in msg and "belongs in zero_optimization" in msg
+    msg = _error({"zero_optimization": {"stage": 2, "train_batch_size": 8}})
+    assert "belongs in the top level" in msg

@@ -60,12 +60,12 @@ def _unknown_key(root: type[Section], loc: tuple[Any, ...]) -> str:
     if hint:
         return f"{text}; {hint}"
     model = section_at(root, parent)
+    homes = [h for h in _homes(root, key) if h != (_dotted(parent) or "the top level")]
+    if 0 < len(homes) <= 3:
+        return f"{text}; {key!r} belongs in {' or '.join(homes)}"
     match = closest(key, model.keys()) if model is not None else None
     if match is not None:
         return f"{text}; did you mean {match!r}?"
-    homes = [h for h in _homes(root, key) if h != (_dotted(parent) or "the top level")]
-    if homes:
-        return f"{text}; {key!r} belongs in {' or '.join(homes)}"
     if model is not None and len(model.model_fields) <= 12:
         return f"{text}; valid keys here: {', '.join(sorted(model.model_fields))}"
     return text
