@@ -688,3 +688,7 @@ def test_block_at_wrong_level_says_where_it_belongs():
     assert "unknown key 'offload_optimizer' at top level" in msg and "belongs in zero_optimization" in msg
     msg = _error({"zero_optimization": {"stage": 2, "train_batch_size": 8}})
     assert "belongs in the top level" in msg
+
+
+def test_non_string_key():
+    assert "key 1 at top level is not a string" in _error({1: 2})

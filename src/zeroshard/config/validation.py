@@ -102,6 +102,9 @@ def describe(root: type[Section], error: dict[str, Any]) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         return _unknown_key(root, loc)
+    if kind == "invalid_key":
+        where = f"in {_dotted(loc[:-1])}" if loc[:-1] else "at top level"
+        return f"key {loc[-1]!r} {where} is not a string; keys must be strings"
     if kind == "missing":
         return f"{_dotted(loc[:-1]) or 'top level'}: missing required key {str(loc[-1])!r}"
     path = _dotted(loc) or "config"
