@@ -17,7 +17,7 @@ from zeroshard.estimate import (
     GPUS, INTER_NODE_LINKS, Cluster, ModelShape, OffloadDevice, Stage, Strategy, Workload, evaluate, gpu_spec,
     inter_node_link, parse_bytes, shape_from_callable, shape_from_hf_config, shape_from_params,
 )
-from zeroshard.estimate.planner import _bucket_sizes
+from zeroshard.estimate.planner import NVME_SUB_GROUP_SIZE, _bucket_sizes
 from zeroshard.estimate.units import GIB
 from zeroshard.policies import ConfigError, ZeroShardError
 
@@ -134,7 +134,8 @@ def all_candidates(shape, cluster, work):
                   hpz_partition_size=cluster.gpus_per_node if cluster.nodes > 1 else 1) if zpp else {}
         s = Strategy(stage=Stage(st), precision=work.precision, optimizer=work.optimizer,
                      optimizer_bytes=work.optimizer_bytes, offload_optimizer=OffloadDevice(oo),
-                     offload_param=OffloadDevice(op), activation_checkpointing=ac, **kw, **_bucket_sizes(shape.hidden))
+                     offload_param=OffloadDevice(op), activation_checkpointing=ac, **kw, **_bucket_sizes(shape.hidden),
+                     **({"sub_group_size": NVME_SUB_GROUP_SIZE} if "nvme" in (oo, op) else {}))
         out.append(evaluate(shape, s, cluster, work))
     return out
 
@@ -183,6 +184,10 @@ def comm_table(cands) -> Table:
             t.add_row(c.label(), col.phase, f"{col.op} {col.what}", col.dtype, str(col.calls), f"{col.elements:,}",
                       f"{col.paper_elements / c.comm.params:.2f} Φ", gib(col.bytes), gib(col.sent_bytes),
                       gib(col.intra_bytes), gib(col.inter_bytes))
+        tot = c.comm.total
+        t.add_row(c.label(), "", "[bold]total per step[/]", "", "", f"{tot('elements'):,}",
+                  f"[bold]{c.comm.paper_units:.2f} Φ[/]", gib(tot("bytes")), gib(tot("sent_bytes")),
+                  gib(tot("intra_bytes")), gib(tot("inter_bytes")), end_section=True)
     return t
 
 

@@ -217,9 +217,10 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         if s.offload_optimizer == OffloadDevice.CPU:
             host += opt + fp32_grads
         else:
-            nvme += opt
-            host += fp32_grads + s.optimizer_buffer_count * FP32_BYTES * min(s.sub_group_size, own)
-            notes.append("optimizer states on NVMe, stepped in sub-groups through pinned host buffers")
+            # ZeRO-Infinity swaps the fp32 gradient partition out with the states.
+            nvme += opt + fp32_grads
+            host += s.optimizer_buffer_count * FP32_BYTES * min(s.sub_group_size, own)
+            notes.append("optimizer states and fp32 gradients on NVMe, stepped in sub-groups through pinned host buffers")
         opt = 0
 
     hpz = 0

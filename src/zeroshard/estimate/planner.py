@@ -33,6 +33,9 @@ INTER_NODE_BOTTLENECK_FRACTION = 0.25  # inter-node comm time / step time that c
 ZEROPP_MIN_GAIN = 0.02  # ZeRO++ must shorten the step by this fraction to be worth its quantization noise
 MAX_NODES = 65_536  # where the search for a cluster that fits gives up
 MAX_GPUS_PER_NODE = 8
+# Optimizer sub-group for NVMe offload: 1e8 fp32 elements = 400 MB per swap buffer; DeepSpeed's
+# 1e9 default would pin 16 GB of host memory in its 4 buffers.
+NVME_SUB_GROUP_SIZE = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,9 @@ def candidate_strategies(work: Workload, hidden: int | None = None) -> list[list
     for tier in _ROUTE:
         for ac in ac_options:
             tiers.append([_base(work, stage=Stage(st), offload_optimizer=oo, offload_param=op,
-                                activation_checkpointing=ac, **buckets) for st, oo, op in tier])
+                                activation_checkpointing=ac, **buckets,
+                                **({"sub_group_size": NVME_SUB_GROUP_SIZE} if V in (oo, op) else {}))
+                          for st, oo, op in tier])
     return tiers
 
 

@@ -97,7 +97,7 @@ def estimate_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, comm:
         touched = own * (2 * s.k + FP32_BYTES + s.param_bytes)
         cpu += k_node * touched / c.host_mem_bw
         if s.offload_optimizer == OffloadDevice.NVME:
-            nvme += k_node * 2 * s.k * own / c.nvme_bw
+            nvme += k_node * (2 * s.k + 2 * FP32_BYTES) * own / c.nvme_bw  # states and fp32 grads, read + write
     if s.offload_param != OffloadDevice.NONE:
         fetches = 2 * gas  # forward and backward gather of every unit
         pcie += s.param_bytes * own * fetches / pcie_bw

@@ -1,0 +1,81 @@
+"""The advisor's route: smallest stage that fits, offload only when needed, ZeRO++ when
+the inter-node link is the bottleneck, and the smallest cluster when nothing fits."""
+
+import pytest
+
+from zeroshard.estimate import (
+    Cluster, OffloadDevice, Stage, Workload, deepspeed_config, gpu_spec, inter_node_link, parse_bytes, plan,
+    shape_from_params,
+)
+from zeroshard.policies import ConfigError
+
+
+def cluster(nodes=1, g=1, gpu="a100-80gb", cpu="512GiB", link="ib-hdr-8x", nvme="0"):
+    return Cluster(nodes, g, gpu_spec(gpu), inter_node_link(link).bw_per_node, parse_bytes(cpu),
+                   nvme=parse_bytes(nvme))
+
+
+def test_small_model_gets_plain_data_parallelism():
+    p = plan(shape_from_params("125M"), cluster(g=8), Workload())
+    assert p.winner.strategy.stage == Stage.DATA_PARALLEL
+
+
+def test_13b_on_8x80gb_takes_the_smallest_stage_that_fits():
+    p = plan(shape_from_params("13B"), cluster(g=8), Workload())
+    w = p.winner
+    assert w.strategy.stage == Stage.GRADIENTS and w.strategy.offload_optimizer == OffloadDevice.NONE
+    rejected = [c for c in p.candidates if not c.fits]
+    assert {int(c.strategy.stage) for c in rejected} == {0, 1}
+
+
+def test_7b_on_one_24gb_gpu_offloads_to_host():
+    p = plan(shape_from_params("7B"), cluster(gpu="rtx4090", cpu="128GiB"), Workload())
+    s = p.winner.strategy
+    assert s.offload_optimizer == OffloadDevice.CPU
+    assert p.winner.memory.device_total <= p.winner.device_budget
+    assert p.winner.memory.host_per_node <= p.winner.host_budget
+
+
+def test_nvme_when_host_memory_is_short():
+    p = plan(shape_from_params("7B"), cluster(gpu="rtx4090", cpu="32GiB", nvme="2TB"), Workload())
+    assert p.winner.strategy.offload_optimizer == OffloadDevice.NVME
+
+
+def test_zeropp_chosen_when_inter_node_link_is_the_bottleneck():
+    work = Workload(seq=2048, micro_batch=1)
+    slow = plan(shape_from_params("175B"), cluster(64, 8, gpu="a100-40gb", link="efa-p4d"), work)
+    assert slow.winner.strategy.stage == Stage.PARAMETERS and slow.winner.strategy.zeropp
+    fast = plan(shape_from_params("175B"), cluster(64, 8, gpu="a100-40gb", link="ib-ndr-8x"), work)
+    assert not fast.winner.strategy.zeropp
+
+
+def test_fits_nowhere_reports_smallest_cluster():
+    p = plan(shape_from_params("70B"), cluster(gpu="rtx4090", cpu="64GiB"), Workload())
+    assert p.winner is None
+    cl, cand = p.smallest_fit
+    assert cand.fits and cl.world_size > 1
+    # one node fewer does not fit
+    if cl.nodes > 1:
+        smaller = plan(shape_from_params("70B"), cl.with_size(cl.nodes - 1), Workload())
+        assert smaller.winner is None
+
+
+def test_deepspeed_config_keys_and_batch_arithmetic():
+    p = plan(shape_from_params("7B"), cluster(gpu="rtx4090", cpu="128GiB"), Workload(micro_batch=2,
+                                                                                      gradient_accumulation_steps=4))
+    cfg = deepspeed_config(p.winner.strategy, p.work, p.cluster)
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 1
+    z = cfg["zero_optimization"]
+    assert z["stage"] == int(p.winner.strategy.stage) and z["offload_optimizer"]["device"] == "cpu"
+    assert cfg["bf16"] == {"enabled": True}
+    allowed = {"stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+               "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "sub_group_size", "offload_optimizer",
+               "offload_param", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients"}
+    assert set(z) <= allowed
+
+
+def test_workload_validation():
+    with pytest.raises(ConfigError):
+        Workload(micro_batch=0)
+    with pytest.raises(ConfigError, match="nodes"):
+        cluster(nodes=0)
