@@ -79,3 +79,20 @@ def test_workload_validation():
         Workload(micro_batch=0)
     with pytest.raises(ConfigError, match="nodes"):
         cluster(nodes=0)
+
+
+@pytest.mark.parametrize("params,kw", [("13B", dict(g=8)), ("7B", dict(gpu="rtx4090", cpu="128GiB")),
+                                       ("175B", dict(nodes=64, g=8, gpu="a100-40gb", link="efa-p4d"))])
+def test_config_loader_knows_every_key_the_planner_writes(params, kw):
+    """Keys must be DeepSpeed's: the loader may say "not supported yet", never "unknown key"."""
+    config = pytest.importorskip("zeroshard.config")
+    if not hasattr(config, "load_config"):
+        pytest.skip("zeroshard.config.load_config not written yet")
+    from zeroshard.policies import NotSupportedYetError
+
+    p = plan(shape_from_params(params), cluster(**kw), Workload())
+    cfg = deepspeed_config(p.winner.strategy, p.work, p.cluster)
+    try:
+        config.load_config(cfg, world_size=p.cluster.world_size)
+    except NotSupportedYetError:
+        pass
