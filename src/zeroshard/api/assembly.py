@@ -33,13 +33,26 @@ def split_parameters(module: nn.Module) -> ModelParts:
 
 
 def build_buckets(parts: ModelParts, group_of: dict[int, int], bucket_numel: int, shard_count: int,
-                  shard_index: int, memory: MemoryLedger) -> list[FlatBucket]:
+                  shard_index: int, memory: MemoryLedger, compute_dtype: torch.dtype) -> list[FlatBucket]:
+    """Buckets hold the parameters in their original dtype until `cast_buckets`; they are
+    grouped by the dtype they will compute in."""
     if not parts.trainable:
         return []
-    infos = [ParamInfo(parts.names[id(p)], tuple(p.shape), str(p.dtype), group_of[id(p)]) for p in parts.trainable]
-    itemsize = min(p.element_size() for p in parts.trainable)
+    target = [compute_dtype if p.is_floating_point() else p.dtype for p in parts.trainable]
+    infos = [ParamInfo(parts.names[id(p)], tuple(p.shape), str(t), group_of[id(p)])
+             for p, t in zip(parts.trainable, target)]
+    itemsize = min(torch.empty((), dtype=t).element_size() for t in target)
     layouts = plan_buckets(infos, bucket_numel, shard_count, alignment=max(1, ALIGN_BYTES // itemsize))
     return [FlatBucket(lay, [parts.trainable[s.index] for s in lay.slots], shard_index, memory) for lay in layouts]
+
+
+def take_masters_and_cast(buckets: list[FlatBucket], compute_dtype: torch.dtype) -> list[torch.Tensor]:
+    """fp32 master shards from the full-precision values, then the buckets move to the
+    compute dtype: rounding to 16 bits happens once, in the compute copy only."""
+    masters = [b.shard().detach().to(torch.float32, copy=True) for b in buckets]
+    for b in buckets:
+        b.to_dtype(compute_dtype)
+    return masters
 
 
 def broadcast_model(module: nn.Module, buckets: list[FlatBucket], comm: Comm) -> None:

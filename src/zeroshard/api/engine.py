@@ -27,6 +27,7 @@ from zeroshard.api.assembly import (
     build_buckets,
     full_fp32_buckets,
     split_parameters,
+    take_masters_and_cast,
 )
 from zeroshard.api.banner import startup_banner
 from zeroshard.comm import Comm, CommLedger, Topology
@@ -52,8 +53,6 @@ class Engine:
         self.memory = MemoryLedger()
         self.compute_dtype = settings.precision.compute.dtype
         module.to(topology.device)
-        if self.compute_dtype != torch.float32:
-            module.to(self.compute_dtype)
         self.module = module
         zero = settings.zero
 
@@ -61,14 +60,17 @@ class Engine:
         self.plan = plan_optimizer(optimizer, settings.optimizer, parts.trainable, topology.device)
         shards = shard_count_for(zero.stage, topology.world_size)
         self.buckets = build_buckets(parts, self.plan.group_of, zero.reduce_bucket_size, shards,
-                                     topology.rank if shards > 1 else 0, self.memory)
+                                     topology.rank if shards > 1 else 0, self.memory, self.compute_dtype)
+        broadcast_model(module, self.buckets, self.comm)
+        masters = take_masters_and_cast(self.buckets, self.compute_dtype)
+        if self.compute_dtype != torch.float32:
+            module.to(self.compute_dtype)  # frozen parameters and buffers; bucket views already are
         self.frozen_bytes = sum(p.numel() * p.element_size() for p in parts.frozen)
         self.memory.hold("params", "frozen", self.frozen_bytes)
-        broadcast_model(module, self.buckets, self.comm)
 
         self.grads = build_gradients(settings, self.buckets, self.comm, self.memory)
         self.publisher = ParamPublisher(self.buckets, self.comm, self.memory, zero.allgather_bucket_size)
-        self.optimizer = ShardedOptimizer(self.buckets, self.plan.build, self.plan.group_options,
+        self.optimizer = ShardedOptimizer(self.buckets, masters, self.plan.build, self.plan.group_options,
                                           self.memory, zero.sub_group_size)
         self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
         self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)

@@ -33,10 +33,10 @@ def sub_groups(sizes: list[int], cap: int) -> list[list[int]]:
 
 
 class ShardedOptimizer:
-    def __init__(self, buckets: list[FlatBucket], build: Builder, group_options: list[dict[str, Any]],
-                 memory: MemoryLedger, sub_group_size: int) -> None:
-        self.buckets, self.memory = buckets, memory
-        self.masters = [b.shard().detach().to(torch.float32, copy=True) for b in buckets]
+    def __init__(self, buckets: list[FlatBucket], masters: list[torch.Tensor], build: Builder,
+                 group_options: list[dict[str, Any]], memory: MemoryLedger, sub_group_size: int) -> None:
+        """`masters[b]` is the fp32 value of bucket b's shard, taken before any cast to 16 bits."""
+        self.buckets, self.memory, self.masters = buckets, memory, masters
         groups = [
             {**options, "params": [m for m, b in zip(self.masters, buckets) if b.layout.group == g]}
             for g, options in enumerate(group_options)

@@ -37,7 +37,18 @@ class FlatBucket:
         for view, param in zip(slot_views(self.data, layout), params):
             view.copy_(param.detach())
             param.data = view
+        self.memory = memory
         memory.hold("params", self.key, self.data.numel() * self.data.element_size())
+
+    def to_dtype(self, dtype: torch.dtype) -> None:
+        """Re-home the parameters in a buffer of `dtype` (e.g. bf16 compute after fp32 init)."""
+        if dtype == self.data.dtype:
+            return
+        data = self.data.to(dtype)
+        for view, param in zip(slot_views(data, self.layout), self.params):
+            param.data = view
+        self.data = data
+        self.memory.hold("params", self.key, data.numel() * data.element_size())
 
     @property
     def slots(self) -> tuple[Slot, ...]:
