@@ -253,10 +253,7 @@ class Engine:
             if arg.optimizer is not user_optimizer:
                 raise ConfigError("lr_scheduler must be built over the optimizer given to initialize(), "
                                   "or be a callable optimizer -> scheduler")
-            arg.optimizer = inner  # same groups, same order: rebinding keeps its base_lrs
-            for group, lr in zip(inner.param_groups, arg.get_last_lr()):
-                group["lr"] = lr
-            return arg
+            return _rebind_scheduler(arg, inner)
         return arg(inner)
 
     def _maybe_print(self) -> None:
@@ -275,6 +272,24 @@ class Engine:
                 if s["calls"]:
                     log.info("comm %-14s calls %d elements %d sent MB %.2f s %.3f", op, s["calls"],
                              s["elements"], s["sent_bytes"] / 2**20, s["seconds"])
+
+
+def _rebind_scheduler(scheduler, inner: torch.optim.Optimizer):
+    """Point a scheduler built over the user's optimizer at the shard optimizer (same
+    groups, same order, so its base_lrs hold). torch marks the optimizer's `step` so the
+    scheduler can check the call order; the new optimizer gets the same mark."""
+    scheduler.optimizer = inner
+    for group, lr in zip(inner.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+    step = inner.step
+
+    def tracked_step(*args, **kwargs):
+        inner._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True
+    inner.step = tracked_step
+    return scheduler
 
 
 def _cast_floats(obj, dtype: torch.dtype):

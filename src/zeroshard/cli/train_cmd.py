@@ -48,12 +48,25 @@ def _check_nproc(nproc: int) -> str | None:
     return None
 
 
+def _check_config(args: argparse.Namespace) -> str | None:
+    """Validate the config here, once, before any rank starts: errors read cleanly."""
+    from zeroshard.cli.train_worker import build_config
+    from zeroshard.config import load_config
+    from zeroshard.policies import ZeroShardError
+
+    try:
+        load_config(build_config(args), args.nproc)
+    except ZeroShardError as exc:
+        return str(exc)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if "RANK" in os.environ:  # already launched by torchrun: be the worker
         from zeroshard.cli.train_worker import train
 
         return train(args)
-    problem = _check_nproc(args.nproc)
+    problem = _check_nproc(args.nproc) or _check_config(args)
     if problem:
         print(f"zeroshard train: {problem}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ def default_config(steps: int) -> dict:
     }
 
 
-def _config(args: argparse.Namespace) -> dict:
+def build_config(args: argparse.Namespace) -> dict:
     if args.config:
         try:
             with open(args.config) as fh:
@@ -72,10 +72,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     if args.seq_len > model.config.block_size:
         raise zeroshard.ConfigError(f"--seq-len {args.seq_len} exceeds the {args.model} model's context "
                                     f"({model.config.block_size})")
-    engine = zeroshard.initialize(model, _config(args))
+    engine = zeroshard.initialize(model, build_config(args))
     rank, world = engine.rank, engine.world_size
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    tokens = stdlib_corpus()
+    tokens = stdlib_corpus() % model.config.vocab_size  # bytes folded into small vocabularies
     batches = batch_iterator(tokens, micro, args.seq_len, rank, world, seed=args.seed)
     phi = num_parameters(model, trainable_only=True)
     losses: list[float] = []

@@ -8,6 +8,7 @@ class is then rebuilt over the fp32 master shards, one bucket set per group.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,6 +27,15 @@ class OptimizerPlan:
     group_options: list[dict[str, Any]]  # per-group options other than "params"
     build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
     description: str
+
+
+def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The defaults the constructor accepts by name (some classes record derived keys, e.g.
+    AdamW's `decoupled_weight_decay`; those still reach the optimizer through each group)."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
 
 
 def _prefer_fused(cls: type, defaults: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -73,7 +83,7 @@ def plan_optimizer(arg: OptimizerArg, spec: OptimizerSpec | None, params: list[n
             "initialize(); add them to it, or set requires_grad=False on them."
         )
     cls = type(template)
-    kwargs = _prefer_fused(cls, dict(template.defaults), device)
+    kwargs = _prefer_fused(cls, _constructor_kwargs(cls, template.defaults), device)
 
     def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         try:
