@@ -14,10 +14,14 @@ join a gloo group from torchrun's environment variables, one intra-op thread per
   zero-red   DDP for gradients + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
   zs0/1/2    zeroshard stage 0/1/2, reduce/allgather buckets = 25 MiB (the DDP default) in
              elements of the compute dtype, overlap_comm and contiguous_gradients on
-  zs2-ds     (with --ds-default-row) stage 2 with DeepSpeed's default bucket sizes (5e8 elements)
+  zs2-ds     stage 2 with DeepSpeed's default bucket sizes (5e8 elements; --no-ds-row skips it)
+
+The whole set runs --rounds times, interleaved (ddp, zero-red, zs0, ..., ddp, ...), and the
+measured steps of all rounds are pooled: the machine may be shared, and load from other
+programs then hits every variant alike. That load is measured and printed ("other load").
 
 Measured per variant:
-  step time     median over the measured steps (after --warmup) of rank 0's wall clock for
+  step time     median over the measured steps (after --warmup, all rounds) of rank 0's wall clock for
                 zero_grad + forward + backward + optimizer step, no barrier in the loop;
                 fwd/bwd/opt are the medians of the three phases alone.
   model states  peak bytes per rank of params + grads + optimizer states.
@@ -84,6 +88,19 @@ class Result:
     comm_per_step: float | None = None
     comm_detail: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    other_load: list[float] = field(default_factory=list)  # cores used by other programs, per round
+    cpu_per_step: list[float] = field(default_factory=list)  # rank 0 process CPU s per measured step, per round
+
+    def merge(self, other: "Result") -> None:
+        """Add another round of the same variant."""
+        for name in ("step_times", "fwd", "bwd", "opt", "other_load", "cpu_per_step"):
+            getattr(self, name).extend(getattr(other, name))
+        self.losses = other.losses
+        if other.model_state_bytes > self.model_state_bytes:
+            self.model_state_bytes, self.breakdown = other.model_state_bytes, other.breakdown
+        self.buffer_bytes = max(self.buffer_bytes, other.buffer_bytes)
+        self.rss_bytes = max(self.rss_bytes, other.rss_bytes)
+        self.wall_s += other.wall_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,11 +141,29 @@ def _optimizer_state_bytes(optimizer) -> int:
                          if torch.is_tensor(v) and v.dim() > 0)
 
 
-def _time_loop(args, rank, world, zero_grad, forward, backward, step) -> dict[str, list[float]]:
-    """Warmup + measured steps; every phase timed on this rank with perf_counter, no barrier."""
-    out: dict[str, list[float]] = {"step": [], "fwd": [], "bwd": [], "opt": [], "loss": []}
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (not idle/iowait), from /proc/stat; 0 if unknown."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _time_loop(args, rank, world, zero_grad, forward, backward, step) -> dict[str, Any]:
+    """Warmup + measured steps; every phase timed on this rank with perf_counter, no barrier.
+
+    Also returns, over the measured window, this process's CPU seconds (all its threads,
+    gloo's included) and the machine's busy CPU seconds, so the parent can tell how much
+    CPU other programs took while we measured."""
+    out: dict[str, Any] = {"step": [], "fwd": [], "bwd": [], "opt": [], "loss": []}
     batches = _batches(args, rank, world)
+    window = (0.0, 0.0, 0.0)
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            window = (time.perf_counter(), time.process_time(), _busy_seconds())
         x, y = next(batches)
         t0 = time.perf_counter()
         zero_grad()
@@ -144,6 +179,9 @@ def _time_loop(args, rank, world, zero_grad, forward, backward, step) -> dict[st
             out["fwd"].append(t1 - t0)
             out["bwd"].append(t2 - t1)
             out["opt"].append(t3 - t2)
+    out["window_wall"] = time.perf_counter() - window[0]
+    out["window_cpu"] = time.process_time() - window[1]
+    out["window_busy"] = _busy_seconds() - window[2]
     return out
 
 
@@ -269,6 +307,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_quiet(max_wait: float, threshold: float = 0.25, window: float = 2.0) -> float:
+    """Wait (at most `max_wait` s) until other programs use under `threshold` cores over `window` s.
+    Returns the load of the last window."""
+    deadline = time.perf_counter() + max_wait
+    while True:
+        b0, c0 = _busy_seconds(), time.process_time()
+        time.sleep(window)
+        load = max(0.0, _busy_seconds() - b0 - (time.process_time() - c0)) / window
+        if load < threshold or time.perf_counter() >= deadline:
+            return load
+
+
 def run_variant(args, variant: Variant, world: int = 2, timeout: float = 900) -> Result:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -294,6 +344,8 @@ def run_variant(args, variant: Variant, world: int = 2, timeout: float = 900) ->
             if p.is_alive():
                 p.kill()
     r0 = outs[0]
+    ours = sum(o["window_cpu"] for o in outs.values())
+    other = max(0.0, r0["window_busy"] - ours) / r0["window_wall"] if r0["window_busy"] else float("nan")
     return Result(
         name=variant.name, params=r0["params"], step_times=r0["step"], fwd=r0["fwd"], bwd=r0["bwd"],
         opt=r0["opt"], losses=r0["loss"],
@@ -301,7 +353,8 @@ def run_variant(args, variant: Variant, world: int = 2, timeout: float = 900) ->
         buffer_bytes=max(o["buffer_bytes"] for o in outs.values()),
         breakdown=r0["breakdown"], rss_bytes=max(o["rss_bytes"] for o in outs.values()),
         comm_per_step=r0["comm_per_step"], comm_detail=r0.get("comm_detail", {}),
-        wall_s=time.perf_counter() - started,
+        wall_s=time.perf_counter() - started, other_load=[other],
+        cpu_per_step=[r0["window_cpu"] / len(r0["step"])],
     )
 
 
@@ -313,12 +366,22 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def _source_version() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
 def report(args, results: list[Result], total_s: float, world: int = 2) -> None:
     import torch
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=160)
+    console = Console(width=200)
     by = {r.name: r for r in results}
     ddp = by["ddp"]
     phi = ddp.params
@@ -327,32 +390,36 @@ def report(args, results: list[Result], total_s: float, world: int = 2) -> None:
 
     title = (f"zeroshard vs DDP / ZeroRedundancyOptimizer - GPT '{args.preset}' (Phi = {phi:,}), "
              f"{'bf16' if args.bf16 else 'fp32'}, {world} gloo ranks x 1 thread, micro-batch {args.micro_batch} "
-             f"x seq {args.seq_len}, AdamW (fused), {args.warmup} warmup + {args.steps} measured steps")
+             f"x seq {args.seq_len}, AdamW (fused), {args.warmup} warmup + {args.steps} measured steps "
+             f"x {args.rounds} round(s)")
     table = Table(title=title, title_justify="left")
-    for col, just in [("variant", "left"), ("step s (median)", "right"), ("x DDP", "right"),
-                      ("fwd / bwd / opt s", "right"), ("model states MiB", "right"), ("x DDP", "right"),
+    for col, just in [("variant", "left"), ("step s (median)", "right"), ("x DDP", "right"), ("min s", "right"),
+                      ("model states MiB", "right"), ("x DDP", "right"),
                       ("+bufs MiB", "right"), ("peak RSS MiB", "right"), ("comm/step (xPhi)", "right"),
-                      ("last loss", "right")]:
+                      ("last loss", "right"), ("other load", "right")]:
         table.add_column(col, justify=just)
     for r in results:
         t = statistics.median(r.step_times)
         comm = (f"{r.comm_per_step:.4f}" if r.comm_per_step is not None
                 else {"ddp": "~2 (analytic)", "zero-red": "~3 (analytic)"}.get(r.name, "-"))
-        phases = "/".join(f"{statistics.median(x):.3f}" for x in (r.fwd, r.bwd, r.opt))
-        table.add_row(r.name, f"{t:.3f}", f"{t / base_t:.3f}", phases, _mib(r.model_state_bytes),
-                      f"{r.model_state_bytes / base_m:.3f}", _mib(r.model_state_bytes + r.buffer_bytes),
-                      _mib(r.rss_bytes), comm, f"{r.losses[-1]:.4f}")
+        table.add_row(r.name, f"{t:.3f}", f"{t / base_t:.3f}", f"{min(r.step_times):.3f}",
+                      _mib(r.model_state_bytes), f"{r.model_state_bytes / base_m:.3f}",
+                      _mib(r.model_state_bytes + r.buffer_bytes), _mib(r.rss_bytes), comm, f"{r.losses[-1]:.4f}",
+                      "/".join(f"{x:.2f}" for x in r.other_load))
     console.print(table)
 
-    detail = Table(title="memory breakdown per rank (MiB, peaks) and zeroshard collectives over the measured steps",
+    detail = Table(title="per variant: step phases (rank 0, medians), rank 0 CPU s per step (all threads), memory "
+                         "breakdown per rank (MiB, peaks), zeroshard collectives over the measured steps",
                    title_justify="left")
-    for col in ("variant", "params", "grads", "optimizer states", "buffers", "collectives (calls, elements, s)"):
-        detail.add_column(col, justify="left" if col in ("variant", "collectives (calls, elements, s)") else "right")
+    for col in ("variant", "fwd / bwd / opt s", "CPU s/step", "params", "grads", "optimizer states", "buffers",
+                "collectives (calls, elements, s issue->wait)"):
+        detail.add_column(col, justify="left" if col in ("variant",) or col.startswith("coll") else "right")
     for r in results:
         b = r.breakdown
         bufs = b.get("ddp_buckets", b.get("comm_buffers", 0))
         coll = "; ".join(f"{op} {d['calls']}x {d['elements']:,} {d['seconds']:.2f}s" for op, d in r.comm_detail.items())
-        detail.add_row(r.name, _mib(b["params"]), _mib(b["grads"]), _mib(b["optimizer_states"]), _mib(bufs),
+        phases = "/".join(f"{statistics.median(x):.3f}" for x in (r.fwd, r.bwd, r.opt))
+        detail.add_row(r.name, phases, "/".join(f"{c:.3f}" for c in r.cpu_per_step), _mib(b["params"]), _mib(b["grads"]), _mib(b["optimizer_states"]), _mib(bufs),
                        coll or "-")
     console.print(detail)
 
@@ -399,8 +466,12 @@ def report(args, results: list[Result], total_s: float, world: int = 2) -> None:
                   + (f"; zs2-ds: {DS_DEFAULT_BUCKET:,} elements (DeepSpeed default)" if "zs2-ds" in by else ""))
     console.print(f"per-variant wall (incl. process start): "
                   + ", ".join(f"{r.name} {r.wall_s:.0f}s" for r in results))
+    console.print("other load = CPU cores busy with programs other than the two ranks during the measured steps "
+                  "(from /proc/stat), per round; the machine has "
+                  f"{os.cpu_count()} cores, so anything above ~0.1 slows the ranks down.")
     console.print(f"total run time: {total_s:.1f} s   (torch {torch.__version__}, python {platform.python_version()}, "
-                  f"{os.cpu_count()} CPUs, {datetime.datetime.now().isoformat(timespec='seconds')})")
+                  f"{os.cpu_count()} CPUs, zeroshard at {_source_version()}, "
+                  f"{datetime.datetime.now().isoformat(timespec='seconds')})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,15 +484,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (see module docstring)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 'mini' preset, seq 64, 1 warmup + 3 steps")
-    ap.add_argument("--ds-default-row", action="store_true",
-                    help="also run stage 2 with DeepSpeed's default bucket sizes (5e8 elements)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="repeat the whole set of variants this many times, interleaved; steps of all rounds pooled")
+    ap.add_argument("--quiet-wait", type=float, default=20.0,
+                    help="before each variant, wait up to this many seconds for other programs to go quiet")
+    ap.add_argument("--no-ds-row", dest="ds_default_row", action="store_false",
+                    help="skip the extra stage-2 row with DeepSpeed's default bucket sizes (5e8 elements)")
     ap.add_argument("--only", default="", help="comma-separated subset of variants (ddp is always run)")
     ap.add_argument("--verbose", action="store_true", help="show zeroshard's start-up banner")
     args = ap.parse_args(argv)
     if args.quick:
-        args.preset, args.seq_len, args.warmup, args.steps = "mini", 64, 1, 3
-    if args.steps < 1:
-        ap.error("--steps must be >= 1")
+        args.preset, args.seq_len, args.warmup, args.steps, args.rounds = "mini", 64, 1, 3, 1
+        args.quiet_wait = 0.0
+    if args.steps < 1 or args.rounds < 1:
+        ap.error("--steps and --rounds must be >= 1")
 
     variants = [Variant("ddp", "ddp"), Variant("zero-red", "zero-red"),
                 Variant("zs0", "zs", 0), Variant("zs1", "zs", 1), Variant("zs2", "zs", 2)]
@@ -432,15 +508,20 @@ def main(argv: list[str] | None = None) -> int:
         variants = [v for v in variants if v.name in keep]
 
     started = time.perf_counter()
-    results = []
-    for v in variants:
-        print(f"[bench] {v.name} ...", file=sys.stderr, flush=True)
-        results.append(run_variant(args, v))
-        r = results[-1]
-        print(f"[bench] {v.name}: median step {statistics.median(r.step_times):.3f}s "
-              f"(steps {', '.join(f'{t:.3f}' for t in r.step_times)}), {r.wall_s:.0f}s wall",
-              file=sys.stderr, flush=True)
-    report(args, results, time.perf_counter() - started)
+    results: dict[str, Result] = {}
+    for rnd in range(args.rounds):  # interleaved rounds: load from other programs hits every variant alike
+        for v in variants:
+            load = wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else float("nan")
+            print(f"[bench] round {rnd + 1}/{args.rounds} {v.name} (other programs: {load:.2f} cores) ...",
+                  file=sys.stderr, flush=True)
+            r = run_variant(args, v)
+            print(f"[bench] {v.name}: steps {', '.join(f'{t:.3f}' for t in r.step_times)} s, "
+                  f"other programs {r.other_load[0]:.2f} cores, {r.wall_s:.0f}s wall", file=sys.stderr, flush=True)
+            if v.name in results:
+                results[v.name].merge(r)
+            else:
+                results[v.name] = r
+    report(args, list(results.values()), time.perf_counter() - started)
     return 0
 
 
