@@ -92,3 +92,26 @@ def test_fp16_trains():
     (losses, skipped, scale), _ = run_ranks(_fp16_train_worker, WORLD, timeout=120)
     assert losses[-1] < losses[0] - 0.3, f"fp16 loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
     assert skipped <= 3 and scale >= 1.0
+
+
+def test_overflow_names_the_nonfinite_parameter(caplog):
+    """Single process: poison one gradient; the warning says which parameter it was."""
+    import logging
+
+    import zeroshard
+    from zeroshard.models import FrozenMLP
+
+    engine = zeroshard.initialize(FrozenMLP(frozen=()), {"train_micro_batch_size_per_gpu": 2,
+                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.module.layers[2].weight.register_hook(lambda g: g * float("nan"))
+    x, y = torch.randn(2, 16), torch.randn(2, 8)
+    with caplog.at_level(logging.WARNING, logger="zeroshard"):
+        zlog = logging.getLogger("zeroshard")
+        zlog.addHandler(caplog.handler)
+        try:
+            engine.backward(engine(x, y)[1])
+            engine.step()
+        finally:
+            zlog.removeHandler(caplog.handler)
+    assert engine.skipped_steps == 1
+    assert "layers.2.weight" in caplog.text, caplog.text

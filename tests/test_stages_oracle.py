@@ -17,6 +17,13 @@ CASES = [
     for s in (0, 1, 2)
     for o in ("sgd", "adamw")
     for g, c in ((1, 0.0), (2, 0.5))
+] + [
+    # the knobs that change how, not what: results must not move
+    Case(stage=2, gas=2, zero=(("contiguous_gradients", False),)),
+    Case(stage=2, gas=2, zero=(("overlap_comm", False),)),
+    Case(stage=1, zero=(("reduce_scatter", False),)),
+    Case(stage=2, zero=(("reduce_bucket_size", 100_000), ("allgather_bucket_size", 100_000))),
+    Case(stage=1, optimizer="adamw", zero=(("sub_group_size", 2_000),)),
 ]
 
 
@@ -37,7 +44,12 @@ def results():
     return {case: [r[i] for r in ranks] for i, case in enumerate(CASES)}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.model}-z{c.stage}-{c.optimizer}-gas{c.gas}-clip{c.clip}")
+def _id(c: Case) -> str:
+    extra = "-".join(f"{k}={v}" for k, v in c.zero)
+    return f"{c.model}-z{c.stage}-{c.optimizer}-gas{c.gas}-clip{c.clip}" + (f"-{extra}" if extra else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
 def test_matches_single_process(case: Case, results):
     per_rank = results[case]
     ref = train_reference(case, WORLD)

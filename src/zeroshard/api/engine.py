@@ -13,6 +13,7 @@ so N ranks with micro-batch b train like one process with batch N x b x accumula
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -79,6 +80,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._grad_norm: float | None = None
+        self._warned_no_sync = False
         self._timers: dict[str, float] = defaultdict(float)
         self.comm.where = "step 0"
         if topology.rank == 0:
@@ -124,8 +126,9 @@ class Engine:
         self._grad_norm = raw / loss_scale if raw is not None else None
         if overflow:
             self.skipped_steps += 1
-            log.warning("step %d skipped: gradient norm is %s at loss scale %g (%d skipped so far)",
-                        self.global_steps, raw, loss_scale, self.skipped_steps)
+            log.warning("step %d skipped: gradient norm is %s at loss scale %g (%d skipped so far); "
+                        "non-finite gradients on rank %d: %s", self.global_steps, raw, loss_scale,
+                        self.skipped_steps, self.rank, self.grads.nonfinite_parameters() or "none in its shard")
         else:
             coef = clip_coefficient(self._grad_norm or 0.0, self.settings.gradient_clipping) / loss_scale
             publish = self.publisher.publish if self.grads.publishes_params else (lambda b: None)
@@ -181,6 +184,16 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.topology.device
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accepted for code written for DDP or Accelerate, and harmless: the engine already
+        reduces only at the accumulation boundary (stages 0/1) or must reduce every micro-step
+        to keep gradients sharded (stage 2). Use `gradient_accumulation_steps` instead."""
+        if not self._warned_no_sync:
+            log.warning("engine.no_sync() does nothing: accumulation follows gradient_accumulation_steps")
+            self._warned_no_sync = True
+        yield
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

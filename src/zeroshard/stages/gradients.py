@@ -163,8 +163,21 @@ class BucketedGradients:
     def zero_grads(self) -> None:
         raise NotImplementedError
 
-    def grad_bytes_in_flight(self) -> int:
-        return 0
+    def nonfinite_parameters(self, limit: int = 3) -> list[str]:
+        """Names of parameters whose reduced gradient in this rank's shard holds inf or nan
+        (called only after an overflow, to say where it came from)."""
+        names: list[str] = []
+        for b, bucket in enumerate(self.buckets):
+            shard, (lo, _) = self.grad_shard(b), bucket.shard_range
+            if bool(torch.isfinite(shard).all()):
+                continue
+            for slot in bucket.slots:
+                part = bucket.layout.slot_in_shard(slot, bucket.shard_index)
+                if part and not bool(torch.isfinite(shard[part[0] - lo : part[1] - lo]).all()):
+                    names.append(slot.name)
+                    if len(names) >= limit:
+                        return names
+        return names
 
 
 class _PersistentGradients(BucketedGradients):
