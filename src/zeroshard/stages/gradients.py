@@ -84,6 +84,7 @@ class BucketedGradients:
                 if not st.launched[b]:
                     self._launch(b)
         self.wait_all()
+        self._state = _MicroState()  # a later backward outside the engine schedules nothing
 
     def wait_all(self) -> None:
         while self._pending:
