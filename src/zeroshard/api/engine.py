@@ -251,6 +251,15 @@ class Engine:
                 out[name] = (t.float() if t.is_floating_point() else t).cpu().clone()
         return out
 
+    def refresh_params_from_masters(self) -> None:
+        """Write every fp32 master shard into its bucket (in the compute dtype) and publish
+        it to all ranks, as after an optimizer step. For checkpoint loading and user edits."""
+        publish = self.publisher.publish if self.grads.publishes_params else (lambda b: None)
+        for b, (bucket, master) in enumerate(zip(self.buckets, self.optimizer.masters)):
+            bucket.shard().copy_(master)
+            publish(b)
+        self.publisher.wait()
+
     def close(self) -> None:
         """Remove hooks, and destroy the process group if `initialize` created it."""
         self.grads.remove_hooks()
