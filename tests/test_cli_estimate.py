@@ -33,8 +33,10 @@ def test_estimate_json_bytes_are_integers(capsys):
     s1 = by_label["stage 1"]["memory"]
     assert isinstance(s1["model_states"], int)
     assert s1["model_states"] == 30_000_000_000 + 1_406_250_000  # paper Table 1, stage 1
-    assert by_label["stage 3"]["comm"]["paper_units_of_params"] == 3.0
-    assert by_label["stage 2"]["comm"]["paper_units_of_params"] == 2.0
+    # 3 and 2 x Phi, plus the 1-element gradient-norm all-reduce (2 paper units)
+    assert by_label["stage 3"]["comm"]["totals"]["paper_elements"] == 3 * 7_500_000_000 + 2
+    assert by_label["stage 2"]["comm"]["totals"]["paper_elements"] == 2 * 7_500_000_000 + 2
+    assert by_label["stage 2"]["comm"]["paper_units_of_params"] == pytest.approx(2.0, abs=1e-6)
     assert by_label["stage 3"]["comm"]["totals"]["inter_bytes"] > 0
 
 

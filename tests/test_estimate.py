@@ -40,9 +40,15 @@ def test_estimate_memory_matches_paper_without_extras():
         assert m.model_states == model_states_per_device(PHI_PAPER, 64, st)
 
 
-def test_k_counts_fp32_master_only_in_mixed_precision():
+def test_k_counts_the_separate_fp32_master_as_the_engine_does():
     assert optimizer_bytes_per_param("adam", Precision.BF16) == 12
-    assert optimizer_bytes_per_param("adam", Precision.FP32) == 8
+    # zeroshard (like DeepSpeed) keeps a separate fp32 master also when training in fp32
+    assert optimizer_bytes_per_param("adam", Precision.FP32) == 12
+    assert Strategy(precision="fp32", optimizer="adamw").k == 12
+    # the in-place convention (torch DDP + AdamW), kept for comparisons with other systems
+    assert optimizer_bytes_per_param("adam", Precision.FP32, separate_fp32_master=False) == 8
+    assert Strategy(precision="fp32", separate_fp32_master=False).k == 8
+    assert Strategy(precision="bf16", separate_fp32_master=False).k == 12
     assert optimizer_bytes_per_param("sgd", Precision.FP16) == 4
     with pytest.raises(ConfigError, match="known"):
         optimizer_bytes_per_param("shampoo", Precision.BF16)
@@ -141,14 +147,35 @@ def test_ours_vs_deepspeed_where_they_define_the_same_quantity():
 @pytest.mark.parametrize("stage,units", [(0, 2.0), (1, 2.0), (2, 2.0), (3, 3.0)])
 def test_comm_paper_units(stage, units):
     c = estimate_comm(1_000_000, Strategy(stage=stage), nodes=1, gpus_per_node=8)
-    assert c.paper_units == units
+    # stages >= 1 add the 1-element fp32 all-reduce of the global gradient norm (2 paper units)
+    norm = 2 if stage else 0
+    assert c.total("paper_elements") == units * 1_000_000 + norm
+    assert c.paper_units == pytest.approx(units, abs=1e-5)
+    assert c.total("paper_elements") - norm == units * 1_000_000
+    assert estimate_comm(1_000_000, Strategy(stage=stage, compute_grad_norm=False), 1, 8).paper_units == units
+
+
+def model_sized(c):
+    """The collectives over the model (everything but the scalar gradient-norm all-reduce)."""
+    return [x for x in c.collectives if x.what != "global gradient norm"]
+
+
+def test_gradient_norm_allreduce_only_when_sharded():
+    for stage in (1, 2, 3):
+        norm = [x for x in estimate_comm(800, Strategy(stage=stage), 1, 2).collectives
+                if x.what == "global gradient norm"]
+        assert [(x.op, x.elements, x.bytes, x.sent_bytes, x.calls) for x in norm] == [("all_reduce", 1, 4, 4, 1)]
+    assert len(estimate_comm(800, Strategy(stage=0), 1, 8).collectives) == 1  # stage 0: whole gradients
+    assert len(estimate_comm(800, Strategy(stage=1), 1, 1).collectives) == 2  # one rank: nothing to combine
+    fp16 = Strategy(stage=1, precision="fp16", compute_grad_norm=False)  # overflow flag still needed
+    assert estimate_comm(800, fp16, 1, 8).collectives[-1].what == "global gradient norm"
 
 
 def test_stage1_and_2_send_exactly_what_plain_dp_sends():
     phi, n = 1_000_000, 8
-    sent = [estimate_comm(phi, Strategy(stage=s), 1, n).total("sent_bytes") for s in (0, 1, 2)]
+    sent = [sum(x.sent_bytes for x in model_sized(estimate_comm(phi, Strategy(stage=s), 1, n))) for s in (0, 1, 2)]
     assert sent[0] == sent[1] == sent[2] == 2 * 2 * phi * (n - 1) // n  # bf16, ring (n-1)/n
-    s3 = estimate_comm(phi, Strategy(stage=3), 1, n).total("sent_bytes")
+    s3 = sum(x.sent_bytes for x in model_sized(estimate_comm(phi, Strategy(stage=3), 1, n)))
     assert s3 == 3 * 2 * phi * (n - 1) // n
 
 
@@ -162,12 +189,12 @@ def test_ring_split_adds_up_to_flat_ring():
 
 def test_padding_to_multiple_of_n():
     c = estimate_comm(1001, Strategy(stage=2), 1, 8)
-    assert all(col.elements == 1008 for col in c.collectives)
+    assert all(col.elements == 1008 for col in model_sized(c))
 
 
 def test_gradient_accumulation_per_stage():
     phi = 800
-    calls = lambda st: [c.calls for c in estimate_comm(phi, Strategy(stage=st), 1, 8, 4).collectives]
+    calls = lambda st: [c.calls for c in model_sized(estimate_comm(phi, Strategy(stage=st), 1, 8, 4))]
     assert calls(0) == [1] and calls(1) == [1, 1] and calls(2) == [4, 1] and calls(3) == [4, 4, 4]
 
 
@@ -177,8 +204,8 @@ def test_zeropp_qwz_hpz_qgz():
     base = estimate_comm(phi, Strategy(stage=3), nodes, g)
     zpp = estimate_comm(phi, Strategy(stage=3, quantized_weights=True, hpz_partition_size=8,
                                       quantized_gradients=True), nodes, g)
-    fwd_b, bwd_b, rs_b = base.collectives
-    fwd, bwd, rs = zpp.collectives
+    fwd_b, bwd_b, rs_b = model_sized(base)
+    fwd, bwd, rs = model_sized(zpp)
     # qwZ: int8 + one fp32 scale per block of each shard: just over half the bf16 bytes
     assert fwd.bytes == phi + (phi // n // QUANT_BLOCK_SIZE + (phi // n % QUANT_BLOCK_SIZE > 0)) * n * 4
     assert 0.5 < fwd.bytes / fwd_b.bytes < 0.51
@@ -187,7 +214,7 @@ def test_zeropp_qwz_hpz_qgz():
     assert bwd.intra_bytes == 2 * phi * 7 // 8
     # qgZ: int4, inter-node hop carries only the node-reduced 1/g slice: 1/4 of bf16 RS bytes
     assert rs.inter_bytes < rs_b.inter_bytes / 3.9
-    assert zpp.paper_units == base.paper_units == 3.0
+    assert zpp.paper_units == base.paper_units == pytest.approx(3.0, abs=1e-5)
     assert zpp.total("inter_bytes") < base.total("inter_bytes") / 3
 
 
@@ -299,3 +326,32 @@ def test_callable_counts_tied_weights_once():
     finally:
         del gpt._estimate_tiny
     assert sh.params == 28_032 and sh.layers == 2 and sh.hidden == 32
+
+
+# ---------------------------------------------------------------- the engine's padding rule
+
+def test_plan_layout_packs_last_first_and_pads_per_bucket():
+    from zeroshard.estimate.padding import bucket_numels, padded_size, plan_layout
+
+    assert bucket_numels([1024, 32, 256, 8], 1000) == [296, 1024]  # reversed; 1024 > cap sits alone
+    assert padded_size(296, 2, 8) == 304 and padded_size(3, 2, 8) == 16 and padded_size(32, 1, 4) == 32
+    lay = plan_layout([1024, 32, 256, 8], stage=2, precision="bf16", n=2, reduce_bucket_size=1000)
+    assert (lay.padded, lay.shards, lay.padding) == ((304, 1024), (152, 512), 8)
+    assert plan_layout([1024, 32, 256, 8], 0, "fp32", 2, 1000).padded == (296, 1024)  # stage 0: 1 shard
+
+
+def test_layout_makes_memory_and_comm_exact_and_must_match_the_stage():
+    from zeroshard.estimate.padding import plan_layout
+
+    sizes = [1024, 32, 256, 8]
+    s = Strategy(stage=2, precision="bf16", optimizer="adamw", reduce_bucket_size=1000, allgather_bucket_size=200)
+    lay = plan_layout(sizes, 2, "bf16", 2, 1000)
+    m = estimate_memory(shape_from_params(sum(sizes)), s, 2, layout=lay)
+    assert (m.params, m.grads, m.optimizer_states) == (2 * 1328, 2 * 664, 12 * 664)
+    c = estimate_comm(sum(sizes), s, 1, 2, 3, layout=lay)
+    by = {(x.op, x.what): x for x in c.collectives}
+    rs, ag = by[("reduce_scatter", "gradients")], by[("all_gather", "updated parameters")]
+    assert (rs.calls, rs.elements) == (2 * 3, 1328 * 3)  # stage 2: every micro-step, one per bucket
+    assert (ag.calls, ag.elements) == (2 + 6, 1328)  # 152/100 -> 2 chunks, 512/100 -> 6 chunks
+    with pytest.raises(ConfigError, match="splits 1 ways"):
+        estimate_memory(shape_from_params(sum(sizes)), Strategy(stage=0), 2, layout=lay)

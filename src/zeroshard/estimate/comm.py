@@ -22,6 +22,17 @@ inter-node, each hop carrying only what the next needs.
 
 Gradient accumulation: stage 0 and 1 reduce once per step; stage 2 reduce-scatters
 every micro-step (no full gradient is kept); stage 3 also gathers every micro-step.
+
+Global gradient norm (stages >= 1, `compute_grad_norm`, always with fp16 loss
+scaling): the shards differ per rank, so one 1-element fp32 all-reduce per step
+combines their sums of squares (and tells every rank about an overflow). Stage 0
+holds whole gradients and needs none.
+
+Padding: with `layout` (`padding.plan_layout` over the trainable parameter sizes) the
+elements are the engine's padded buckets and `calls` counts collective launches (one
+per bucket, per chunk of an all-gather over `allgather_bucket_size`); this is what
+`Engine.comm_stats()` records, exactly. Without it, stage 0 moves Φ and stages 1-3
+move Φ rounded up to a multiple of N, and `calls` counts the model as one bucket.
 """
 
 from __future__ import annotations
@@ -29,9 +40,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from zeroshard.policies import ConfigError, Stage
+from zeroshard.policies import ConfigError, Precision, Stage
 
 from zeroshard.estimate.memory import Strategy, shard
+from zeroshard.estimate.padding import BucketPlan, gather_chunks, shard_count_for_stage
 from zeroshard.estimate.units import FP32_BYTES, INT8_BYTES
 
 __all__ = ["Collective", "CommEstimate", "estimate_comm", "ring_split", "QUANT_BLOCK_SIZE", "QUANT_SCALE_BYTES",
@@ -50,7 +62,7 @@ class Collective:
     op: str  # "all_reduce", "reduce_scatter", "all_gather", "all_to_all"
     what: str
     dtype: str
-    calls: int  # per optimizer step
+    calls: int  # launches per optimizer step: repeats (micro-steps) x buckets (1 without a layout)
     elements: int  # logical tensor elements per step (padded to a multiple of the group)
     bytes: int  # logical tensor bytes per step (payload as sent, quantized where quantized)
     paper_elements: int  # ZeRO paper units: AG/RS = elements, AR = 2 x elements
@@ -95,36 +107,48 @@ def _quantized_bytes(elements: int, bits: int, n_shards: int) -> int:
 
 
 def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: int,
-                  gradient_accumulation_steps: int = 1) -> CommEstimate:
+                  gradient_accumulation_steps: int = 1, layout: BucketPlan | None = None) -> CommEstimate:
     if gradient_accumulation_steps < 1:
         raise ConfigError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
     s, gas = strategy, gradient_accumulation_steps
     n = nodes * gpus_per_node
-    padded = shard(params, n) * n
+    if layout is not None:
+        if layout.shard_count != shard_count_for_stage(s.stage, n):
+            raise ConfigError(f"layout is split {layout.shard_count} ways; stage {int(s.stage)} on {n} ranks "
+                              f"splits {shard_count_for_stage(s.stage, n)} ways")
+        padded = layout.padded_total
+        buckets = layout.buckets
+        gathers = sum(gather_chunks(sh, p, s.allgather_bucket_size, n)[0]
+                      for sh, p in zip(layout.shards, layout.padded))
+    else:
+        padded = params if s.stage == Stage.DATA_PARALLEL else shard(params, n) * n
+        buckets = gathers = 1
     dtype = s.precision.value
     pb, gb = s.param_bytes, s.grad_bytes
     out: list[Collective] = []
 
     def add(phase, op, what, calls, elements, payload, overlap, group_nodes=nodes, group_per_node=gpus_per_node,
-            dtype_=dtype, split=None):
+            dtype_=dtype, split=None, launches=1):
+        """`calls` repeats per step of a whole-model collective of `elements`, issued as
+        `launches` collectives (buckets) each time."""
         factor = 2 if op == "all_reduce" else 1
         if split is None:
             intra, inter = ring_split(payload, group_nodes, group_per_node)
             intra, inter = factor * intra, factor * inter
         else:
             intra, inter = split
-        out.append(Collective(phase=phase, op=op, what=what, dtype=dtype_, calls=calls,
+        out.append(Collective(phase=phase, op=op, what=what, dtype=dtype_, calls=calls * launches,
                               elements=elements * calls, bytes=int(payload) * calls,
                               paper_elements=factor * elements * calls, sent_bytes=(intra + inter) * calls,
                               intra_bytes=intra * calls, inter_bytes=inter * calls, overlappable=overlap))
 
     if s.stage == Stage.DATA_PARALLEL:
-        add("backward", "all_reduce", "gradients", 1, params, gb * params, s.overlap_comm)
+        add("backward", "all_reduce", "gradients", 1, padded, gb * padded, s.overlap_comm, launches=buckets)
     elif s.stage in (Stage.OPTIMIZER_STATES, Stage.GRADIENTS):
         rs_calls = 1 if s.stage == Stage.OPTIMIZER_STATES else gas
         add("backward", "reduce_scatter", "gradients", rs_calls, padded, gb * padded,
-            s.stage == Stage.GRADIENTS and s.overlap_comm)
-        add("step", "all_gather", "updated parameters", 1, padded, pb * padded, False)
+            s.stage == Stage.GRADIENTS and s.overlap_comm, launches=buckets)
+        add("step", "all_gather", "updated parameters", 1, padded, pb * padded, False, launches=gathers)
     else:
         if s.quantized_weights:
             add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, padded,
@@ -150,5 +174,7 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
                 dtype_=f"int{QGZ_BITS}", split=(int(round(intra)), int(round(inter))))
         else:
             add("backward", "reduce_scatter", "gradients", gas, padded, gb * padded, True)
+    if s.stage >= Stage.OPTIMIZER_STATES and (s.compute_grad_norm or s.precision == Precision.FP16) and n > 1:
+        add("step", "all_reduce", "global gradient norm", 1, 1, FP32_BYTES, False, dtype_="fp32")
     return CommEstimate(collectives=tuple(out), params=params)
 

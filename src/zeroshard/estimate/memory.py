@@ -6,13 +6,25 @@ Model states follow Rajbhandari et al. 2019 ("ZeRO", sec. 3.1 and Table 1): with
     stage 0: (2 + 2 + K) Φ      stage 2: 2Φ + (2 + K) Φ / N
     stage 1: 2Φ + 2Φ + KΦ / N   stage 3: (2 + 2 + K) Φ / N
 
-for 16-bit parameters and gradients. K counts the fp32 master copy (4) when the
-compute dtype is 16-bit, plus the optimizer's own states (Adam: 4 + 4), so mixed
-precision Adam has K = 12 (the paper's value). Offload (Ren et al. 2021,
+for 16-bit parameters and gradients. K counts the fp32 master copy (4) plus the
+optimizer's own states (Adam: 4 + 4), so Adam has K = 12 (the paper's value for mixed
+precision). zeroshard's engine, like DeepSpeed, keeps the separate fp32 master also
+when training in fp32, so K = 12 there too (parameters 4 + gradients 4 + 12 = 20 bytes
+per parameter at stage 0); `Strategy(separate_fp32_master=False)` gives the K = 8
+convention of systems that step fp32 parameters in place (torch DDP + AdamW). Offload (Ren et al. 2021,
 "ZeRO-Offload") moves the optimizer states and an fp32 gradient partition to the
 host; ZeRO-Infinity (Rajbhandari et al. 2021) moves them, or the parameters, to
 NVMe. The rest of the peak: gathered stage-3 units, gradient buckets and
 activations (see `activations.py`), which ZeRO does not shard.
+
+Transient buffers (stages 0-2, as zeroshard's engine allocates them, validated in
+`tests/test_estimate_validation.py`): the gradients of stages 0 and 1 are reduced in
+place in their bucket buffers (no extra copy); stage 2 holds full buckets only while
+they fill and reduce (`STAGE2_BUCKETS_IN_FLIGHT`, or all of them with overlap_comm
+off); at the optimizer step, 16-bit training upcasts each sub-group's gradient shard to
+fp32 (4 bytes x up to `sub_group_size` elements) and stages 1/2 publish buckets larger
+than `allgather_bucket_size` through a staging buffer. `buffers` is the larger of the
+backward and the step transients.
 """
 
 from __future__ import annotations
@@ -24,12 +36,13 @@ from zeroshard.policies import ConfigError, OffloadDevice, Precision, Stage
 
 from zeroshard.estimate.activations import ActivationEstimate
 from zeroshard.estimate.model_size import ModelShape
+from zeroshard.estimate.padding import BucketPlan, gather_chunks, shard_count_for_stage, sub_group_sums
 from zeroshard.estimate.units import BYTES_PER_ELEMENT, FP32_BYTES, GIB
 
 __all__ = [
     "Strategy", "MemoryEstimate", "estimate_memory", "model_states_per_device", "optimizer_bytes_per_param",
     "OPTIMIZER_STATE_BYTES", "MASTER_WEIGHT_BYTES", "CUDA_CONTEXT_BYTES", "DEVICE_USABLE_FRACTION",
-    "HOST_USABLE_FRACTION", "device_budget", "host_budget", "shard",
+    "HOST_USABLE_FRACTION", "device_budget", "host_budget", "shard", "STAGE2_BUCKETS_IN_FLIGHT",
 ]
 
 # Optimizer states per parameter in fp32 bytes, beyond the master weights.
@@ -42,6 +55,9 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 DEVICE_USABLE_FRACTION = 0.90
 # Host memory left for the OS, data loaders and page cache.
 HOST_USABLE_FRACTION = 0.85
+# Stage 2 with overlap_comm: full gradient buckets alive at once during backward (the
+# engine lets 2 reductions run while the next bucket fills).
+STAGE2_BUCKETS_IN_FLIGHT = 3
 
 
 def device_budget(gpu_memory: int) -> int:
@@ -52,11 +68,13 @@ def host_budget(host_memory: int) -> int:
     return int(host_memory * HOST_USABLE_FRACTION)
 
 
-def optimizer_bytes_per_param(optimizer: str, precision: Precision) -> int:
-    """K: fp32 master copy (16-bit training only) + the optimizer's states."""
+def optimizer_bytes_per_param(optimizer: str, precision: Precision, separate_fp32_master: bool = True) -> int:
+    """K: fp32 master copy + the optimizer's states. The master is always separate in
+    zeroshard (and DeepSpeed), fp32 training included; `separate_fp32_master=False`
+    drops it for fp32 training only (the K = 8 convention of in-place fp32 optimizers)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ConfigError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}")
-    master = 0 if precision == Precision.FP32 else MASTER_WEIGHT_BYTES
+    master = 0 if (precision == Precision.FP32 and not separate_fp32_master) else MASTER_WEIGHT_BYTES
     return master + OPTIMIZER_STATE_BYTES[optimizer]
 
 
@@ -79,7 +97,10 @@ class Strategy:
     hpz_partition_size: int = 1  # hpZ
     quantized_gradients: bool = False  # qgZ
     reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000  # stages 1/2: larger buckets are published in chunks
     overlap_comm: bool = True
+    compute_grad_norm: bool = True  # stages >= 1: one 1-element fp32 all-reduce per step
+    separate_fp32_master: bool = True  # False: K = 8 convention for fp32 (no master copy)
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000
@@ -104,7 +125,8 @@ class Strategy:
             raise ConfigError(f"zero_hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
         if self.optimizer_bytes is not None and self.optimizer_bytes < 0:
             raise ConfigError(f"optimizer bytes per parameter must not be negative, got {self.optimizer_bytes}")
-        for name in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters", "sub_group_size"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
+                     "sub_group_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -112,7 +134,7 @@ class Strategy:
     def k(self) -> int:
         if self.optimizer_bytes is not None:
             return self.optimizer_bytes
-        return optimizer_bytes_per_param(self.optimizer, self.precision)
+        return optimizer_bytes_per_param(self.optimizer, self.precision, self.separate_fp32_master)
 
     @property
     def param_bytes(self) -> int:
@@ -194,19 +216,27 @@ class MemoryEstimate:
 
 
 def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node: int = 1,
-                    activations: ActivationEstimate | None = None) -> MemoryEstimate:
-    """Per-device peak of `shape` trained with `strategy` on `n` data-parallel ranks."""
+                    activations: ActivationEstimate | None = None, layout: BucketPlan | None = None) -> MemoryEstimate:
+    """Per-device peak of `shape` trained with `strategy` on `n` data-parallel ranks.
+
+    `layout` (from `padding.plan_layout` over the trainable parameter sizes) makes the
+    figures exact for zeroshard's engine: full buffers are the padded buckets and each
+    rank owns their shards. Without it the model is Φ elements split evenly."""
     if n < 1:
         raise ConfigError(f"data-parallel size must be >= 1, got {n}")
     s, phi = strategy, shape.params
     st, k, pb, gb = s.stage, s.k, s.param_bytes, s.grad_bytes
-    own = shard(phi, n)  # elements of each sharded state this rank owns
+    if layout is not None and layout.shard_count != shard_count_for_stage(st, n):
+        raise ConfigError(f"layout is split {layout.shard_count} ways; stage {int(st)} on {n} ranks splits "
+                          f"{shard_count_for_stage(st, n)} ways (plan it with plan_layout for this stage)")
+    full = layout.padded_total if layout is not None else phi  # elements of each full (unsharded) state
+    own = layout.shard_total if layout is not None else shard(phi, n)  # elements of each sharded state
     notes: list[str] = []
     host = nvme = 0
 
-    params = pb * (own if st >= Stage.PARAMETERS else phi)
-    grads = gb * (own if st >= Stage.GRADIENTS else phi)
-    opt = k * (own if st >= Stage.OPTIMIZER_STATES else phi)
+    params = pb * (own if st >= Stage.PARAMETERS else full)
+    grads = gb * (own if st >= Stage.GRADIENTS else full)
+    opt = k * (own if st >= Stage.OPTIMIZER_STATES else full)
 
     if s.offload_optimizer != OffloadDevice.NONE:
         # ZeRO-Offload: the CPU optimizer steps an fp32 gradient partition in host memory;
@@ -246,12 +276,35 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
             notes.append("parameter shards on NVMe, fetched through pinned host buffers")
         notes.append("stage 3: small parameters kept whole (param_persistence_threshold) not counted")
     else:
-        bucket = min(s.reduce_bucket_size, phi)
-        double = 2 if (st == Stage.GRADIENTS and s.overlap_comm) else 1
-        buffers = gb * bucket * double
+        buffers = _stage012_buffers(s, phi, n, full, own, layout)
 
     return MemoryEstimate(params=params, grads=grads, optimizer_states=opt, hpz_secondary=hpz,
                           live_params=live, buffers=buffers,
                           activations=activations.total if activations else 0,
                           host_per_rank=host, nvme_per_rank=nvme, gpus_per_node=gpus_per_node,
                           notes=tuple(notes))
+
+
+def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout: BucketPlan | None) -> int:
+    """Transient device bytes beyond the model states at stages 0-2 (see the module doc)."""
+    st, pb, gb = s.stage, s.param_bytes, s.grad_bytes
+    largest = layout.largest_padded if layout is not None else min(s.reduce_bucket_size, phi)
+    backward = 0  # stages 0/1 reduce in place in the persistent gradient buckets
+    if st == Stage.GRADIENTS:
+        # overlap off: every full bucket exists at the end of backward, before the reductions
+        backward = gb * (min(full, STAGE2_BUCKETS_IN_FLIGHT * largest) if s.overlap_comm else full)
+    step = 0
+    if s.offload_optimizer == OffloadDevice.NONE:
+        if s.grad_bytes != FP32_BYTES:  # 16-bit gradient shards are upcast one sub-group at a time
+            shards = layout.shards if layout is not None else None
+            held = own if st >= Stage.OPTIMIZER_STATES else full  # stage 0 steps the whole gradient
+            upcast = max(sub_group_sums(shards, s.sub_group_size)) if shards else min(s.sub_group_size, held)
+            step += FP32_BYTES * upcast
+    if st >= Stage.OPTIMIZER_STATES:  # publishing: buckets over allgather_bucket_size go through staging
+        if layout is not None:
+            staging = max((gather_chunks(sh, p, s.allgather_bucket_size, n)[1]
+                           for sh, p in zip(layout.shards, layout.padded)), default=0)
+        else:
+            staging = gather_chunks(shard(largest, n), shard(largest, n) * n, s.allgather_bucket_size, n)[1]
+        step += pb * staging
+    return max(backward, step)
