@@ -260,6 +260,26 @@ class Engine:
             publish(b)
         self.publisher.wait()
 
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+                        keep_last: int | None = None) -> str:
+        """Every rank writes its shards under `save_dir/<tag>`, then `latest` names it (zeroshard.checkpoint)."""
+        from zeroshard.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, keep_last)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> dict:
+        """Load a checkpoint of any world size, stage and bucket sizes; returns its client_state."""
+        from zeroshard.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
+    def save_16bit_model(self, save_dir, max_shard_size: int | str = "5GB") -> list[str]:
+        """The model's weights in the compute dtype as Hugging Face style safetensors (rank 0 writes)."""
+        from zeroshard.checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, max_shard_size)
+
     def close(self) -> None:
         """Remove hooks, and destroy the process group if `initialize` created it."""
         self.grads.remove_hooks()
