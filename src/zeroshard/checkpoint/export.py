@@ -1,0 +1,137 @@
+"""Consolidated Hugging Face style export: `model.safetensors`, or shards and an index.
+
+`export` streams from a checkpoint one tensor at a time: each tensor is assembled
+from the rank files' element ranges, cast, written, and dropped, so peak memory is
+about the largest tensor whatever the model size. `save_16bit_model` writes the same
+files online, from the engine's compute-dtype parameters.
+
+Tied parameters are written under every name the model's state dict has (the same
+values twice): the files load with a strict `load_state_dict` into the original model,
+and `transformers`' `from_pretrained` accepts them too (it re-ties the weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Callable
+
+import torch
+
+from zeroshard.checkpoint.exchange import agree
+from zeroshard.checkpoint.files import Entry, write_safetensors, write_small
+from zeroshard.checkpoint.reader import CheckpointReader
+from zeroshard.checkpoint.snapshot import model_config
+from zeroshard.policies import CheckpointError, Stage
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from 5000000, "5GB" (10^9) or "4GiB" (2^30), as Hugging Face reads them."""
+    if isinstance(size, int):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise CheckpointError(f"max shard size {size!r}: use a number of bytes or e.g. 5GB, 500MB, 2GiB")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise CheckpointError(f"max shard size must be positive, got {size!r}")
+    return n
+
+
+def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
+    """Consecutive entries per file, each file at most `max_bytes` (a larger tensor stands alone)."""
+    files: list[list[Entry]] = [[]]
+    used = 0
+    for e in entries:
+        if files[-1] and used + e.nbytes > max_bytes:
+            files.append([])
+            used = 0
+        files[-1].append(e)
+        used += e.nbytes
+    return files
+
+
+def write_model(out_dir: str, entries: list[Entry], max_shard_size: int | str,
+                model_config: dict[str, Any] | None) -> list[str]:
+    """Write `entries` as HF-style safetensors (and config.json); returns the files written."""
+    groups = plan_files(entries, parse_size(max_shard_size))
+    os.makedirs(out_dir, exist_ok=True)
+    names = [SINGLE] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for name, group in zip(names, groups):
+        path = os.path.join(out_dir, name)
+        write_safetensors(path + ".tmp", group, {"format": "pt"})
+        os.replace(path + ".tmp", path)
+    written = list(names)
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                 "weight_map": {e.key: name for name, group in zip(names, groups) for e in group}}
+        write_small(os.path.join(out_dir, INDEX), json.dumps(index, indent=2).encode())
+        written.append(INDEX)
+    if model_config is not None:
+        write_small(os.path.join(out_dir, "config.json"), json.dumps(model_config, indent=2).encode())
+        written.append("config.json")
+    return written
+
+
+def _config_for(config: dict[str, Any] | None, dtype: torch.dtype, architecture: str | None) -> dict | None:
+    if config is None:
+        return None
+    config = dict(config)
+    key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+    config[key] = str(dtype).replace("torch.", "")
+    if architecture and not config.get("architectures"):
+        config["architectures"] = [architecture]
+    return config
+
+
+def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32",
+           max_shard_size: int | str = "5GB", tag: str | None = None) -> list[str]:
+    """Consolidate a checkpoint into `out_dir`; returns the names of the files written."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    target = DTYPES[dtype]
+    with CheckpointReader(ckpt_dir, tag) as reader:
+        reader.verify()
+        entries = []
+        for name in reader.meta["names"]:
+            info = reader.tensors[reader.canonical(name)]
+            shape = tuple(info["shape"])
+            saved = getattr(torch, info["dtype"].replace("torch.", ""))
+            out = target if saved.is_floating_point else saved
+            entries.append(Entry(name, shape, out, _reader_producer(reader, name, shape, out)))
+        config = _config_for(reader.meta.get("model_config"), target, reader.meta.get("model_class"))
+        return write_model(os.fspath(out_dir), entries, max_shard_size, config)
+
+
+def _reader_producer(reader: CheckpointReader, name: str, shape: tuple[int, ...],
+                     dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: reader.read(name).to(dtype).view(shape)
+
+
+def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
+    """Write the model's weights in the compute dtype (fp32 training writes fp32) as
+    HF-style safetensors in `save_dir`, from rank 0; call on every rank."""
+    written: list[str] = []
+    error: BaseException | None = None
+    try:
+        if engine.settings.zero.stage == Stage.PARAMETERS:
+            raise CheckpointError("save_16bit_model at stage 3 is not built yet; use save_checkpoint and "
+                                  "`zeroshard export`, which never gathers the model on one rank")
+        if engine.rank == 0:
+            entries = [Entry(name, tuple(t.shape), t.dtype, (lambda t=t: t.detach()))
+                       for name, t in engine.module.state_dict().items()]
+            config = _config_for(model_config(engine.module), engine.compute_dtype, type(engine.module).__name__)
+            written = write_model(os.fspath(save_dir), entries, max_shard_size, config)
+    except BaseException as exc:
+        error = exc
+    agree(engine.comm, error, engine.device, "save_16bit_model")
+    return written

@@ -1,0 +1,153 @@
+"""Durable file writing: a streaming safetensors writer, fsync, atomic small files, sha256.
+
+The safetensors file is written by hand (an 8-byte header length, a JSON header, then
+the raw bytes of each tensor in header order) so that tensors are produced and
+written one at a time (peak memory ~ one tensor), hashed while they are written
+(sha256 runs on a helper thread, overlapping the disk), and fsynced before the
+caller records the file as done. `safetensors.safe_open` reads the result.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from zeroshard.checkpoint.format import dtype_code
+from zeroshard.policies import CheckpointError
+
+CHUNK = 64 << 20  # bytes per write call (and per hash update)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A tensor to write: its key, shape and dtype up front, its data produced on demand."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    produce: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Written:
+    bytes: int
+    sha256: str
+
+
+def _write(f, data) -> None:
+    """The one place bytes reach a file (tests replace it to simulate a full disk)."""
+    f.write(data)
+
+
+def header_bytes(entries: list[Entry], metadata: dict[str, str] | None) -> bytes:
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for e in entries:
+        header[e.key] = {"dtype": dtype_code(e.dtype), "shape": list(e.shape),
+                         "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _as_bytes(t: torch.Tensor, e: Entry) -> memoryview:
+    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+        raise CheckpointError(f"{e.key}: produced {tuple(t.shape)} {t.dtype}, planned {e.shape} {e.dtype}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(path: str, entries: list[Entry], metadata: dict[str, str] | None = None) -> Written:
+    """Write `entries` to `path`, fsync it, and return its size and sha256."""
+    sha = hashlib.sha256()
+    total = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="zeroshard-sha256") as hasher:
+        try:
+            with open(path, "wb", buffering=0) as f:
+                head = header_bytes(entries, metadata)
+                sha.update(head)
+                _write(f, head)
+                total += len(head)
+                for e in entries:
+                    data = _as_bytes(e.produce(), e)
+                    pending = []
+                    for lo in range(0, len(data), CHUNK):
+                        chunk = data[lo : lo + CHUNK]
+                        pending.append(hasher.submit(sha.update, chunk))
+                        _write(f, chunk)
+                        total += len(chunk)
+                    for p in pending:  # `data` must outlive its hashing
+                        p.result()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise write_error(path, exc) from None
+    return Written(total, sha.hexdigest())
+
+
+def write_small(path: str, data: bytes) -> None:
+    """Write a small file atomically: a temporary beside it, fsync, rename, fsync the directory."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            _write(f, data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
+    except OSError as exc:
+        with _quiet():
+            os.remove(tmp)
+        raise write_error(path, exc) from None
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_error(path: str, exc: OSError) -> CheckpointError:
+    if exc.errno == errno.ENOSPC:
+        return CheckpointError(f"{path}: no space left on the device while writing the checkpoint; "
+                               "free space or save elsewhere (the previous checkpoint is intact)")
+    return CheckpointError(f"{path}: cannot write ({exc.strerror or exc}); the previous checkpoint is intact")
+
+
+def sha256_of(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(CHUNK):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+def total_bytes(entries: Iterable[Entry]) -> int:
+    return sum(e.nbytes for e in entries)

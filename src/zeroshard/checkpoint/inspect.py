@@ -1,0 +1,41 @@
+"""What a checkpoint holds, as plain data: layout, step, sizes, and checksums verified."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from zeroshard.checkpoint.reader import CheckpointReader
+from zeroshard.policies import CheckpointError
+
+
+def inspect(ckpt_dir: str | os.PathLike, tag: str | None = None, verify: bool = True) -> dict[str, Any]:
+    """A report of the checkpoint; each file's `check` is "ok" or the problem found."""
+    with CheckpointReader(ckpt_dir, tag) as reader:
+        meta = reader.meta
+        files = []
+        for name, info in sorted(meta["files"].items()):
+            try:
+                if verify:
+                    reader.verify([name])
+                check = "ok" if verify else "not checked"
+            except CheckpointError as exc:
+                check = str(exc)
+            files.append({"file": name, "rank": info["rank"], "bytes": info["bytes"],
+                          "sha256": info["sha256"], "check": check})
+        buckets = [{"bucket": b.index, "dtype": b.dtype.replace("torch.", ""), "group": b.group,
+                    "params": len(b.slots), "numel": sum(s.numel for s in b.slots),
+                    "padded_numel": b.padded_numel, "shards": b.shard_count,
+                    "fields": [f for f in b.fields]} for b in reader.buckets]
+        trainable = sum(b["numel"] for b in buckets)
+        total = sum(reader.numel(n) for n in reader.tensors)
+        return {
+            "dir": reader.dir, "tag": meta["tag"], "world_size": meta["world_size"], "stage": meta["stage"],
+            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
+            "compute_dtype": meta["compute_dtype"].replace("torch.", ""),
+            "optimizer": meta["optimizer"]["class"], "optimizer_states": meta["optimizer"]["states"],
+            "lr_scheduler": (meta.get("lr_scheduler") or {}).get("class"),
+            "parameters": total, "trainable_parameters": trainable, "tied": meta["tied"],
+            "buckets": buckets, "files": files, "bytes": sum(f["bytes"] for f in files),
+            "ok": all(f["check"] in ("ok", "not checked") for f in files),
+        }

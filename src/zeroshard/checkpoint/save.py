@@ -1,0 +1,191 @@
+"""save_checkpoint: every rank writes its own shards; rank 0 commits the tag.
+
+Crash safety comes from the order of durable steps:
+
+1. rank 0 makes `save_dir/.tmp-<tag>/` (removing leftovers of killed saves);
+2. every rank writes and fsyncs `rank<r>.safetensors` there, hashing it as it goes;
+3. rank 0 writes `meta.json` (layout, sizes and sha256 of every rank file) and fsyncs it;
+4. rank 0 renames the directory to `save_dir/<tag>` and fsyncs `save_dir`;
+5. rank 0 replaces `latest` atomically, then prunes old tags (`keep_last`).
+
+A save killed before step 4 leaves only a `.tmp-` directory, which loading never
+reads; killed before step 5, the new tag is complete but `latest` still names the
+previous one. Either way the previous checkpoint is what `latest` loads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import torch
+
+from zeroshard.checkpoint import rng
+from zeroshard.checkpoint.exchange import agree, all_records
+from zeroshard.checkpoint.files import fsync_dir, write_safetensors, write_small
+from zeroshard.checkpoint.format import (
+    FORMAT,
+    LATEST,
+    META,
+    OLD_PREFIX,
+    TMP_PREFIX,
+    VERSION,
+    check_tag,
+    dumps,
+    json_safe,
+    rank_file as rank_file_name,
+)
+from zeroshard.checkpoint.snapshot import JSON, model_config, name_table, rank_file
+from zeroshard.policies import CheckpointError
+
+PAUSE_ENV = "ZEROSHARD_CHECKPOINT_TEST_PAUSE"  # "<phase>": tests stop a save there and kill it
+
+
+def pause(phase: str) -> None:
+    """Let a test kill a save at a chosen phase: announce it on stderr, then wait."""
+    if os.environ.get(PAUSE_ENV) == phase:
+        print(f"zeroshard-checkpoint-paused {phase}", file=sys.stderr, flush=True)
+        time.sleep(600)
+
+
+def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
+                    client_state: dict[str, Any] | None = None, keep_last: int | None = None) -> str:
+    """Save `engine`'s full training state under `save_dir/<tag>` and point `latest` at it.
+
+    Call on every rank. `tag` defaults to `global_step<N>`; `client_state` (rank 0's) is
+    stored as JSON and returned by `load_checkpoint`. `keep_last` keeps only the newest
+    `keep_last` tags in `save_dir`. Returns the tag's directory."""
+    save_dir = os.fspath(save_dir)
+    device = engine.device
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    tmp = os.path.join(save_dir, TMP_PREFIX + tag)
+    error: BaseException | None = None
+    try:
+        check_tag(tag)
+        client = json_safe(client_state or {}, "client_state")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise CheckpointError(f"keep_last must be a positive integer, got {keep_last!r}")
+        if engine.rank == 0:
+            _prepare(save_dir, tmp)
+    except BaseException as exc:
+        error = exc
+    agree(engine.comm, error, device, "saving checkpoint")
+
+    table = name_table(engine.module, engine.buckets)
+    record: dict[str, Any] = {}
+    try:
+        part = rank_file(engine, table, pause)
+        name = rank_file_name(engine.rank)
+        metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(engine.rank),
+                    "json_states": dumps(part.json_states).decode()}
+        written = write_safetensors(os.path.join(tmp, name), part.entries, metadata)
+        record = {"error": None, "file": name, "bytes": written.bytes, "sha256": written.sha256,
+                  "shards": part.shards, "state_kinds": part.state_kinds, "rng": rng.capture()}
+    except BaseException as exc:
+        error, record = exc, {"error": str(exc)}
+    records = all_records(engine.comm, record, device)
+    try:
+        failed = [(r, rec["error"]) for r, rec in enumerate(records) if rec["error"] is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(f"saving checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
+        if engine.rank == 0:
+            meta = _meta(engine, tag, table, part, records, client)
+            _commit(save_dir, tmp, tag, meta, keep_last)
+    except BaseException as exc:
+        error = exc
+        if engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    agree(engine.comm, error, device, "saving checkpoint")
+    return os.path.join(save_dir, tag)
+
+
+def _prepare(save_dir: str, tmp: str) -> None:
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        for leftover in os.listdir(save_dir):  # a killed save's partial tag; never loadable
+            if leftover.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(save_dir, leftover), ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as exc:
+        raise CheckpointError(f"{save_dir}: cannot create the checkpoint directory ({exc.strerror or exc})") from None
+    pause("prepared")
+
+
+def _meta(engine, tag: str, table, part, records: list[dict[str, Any]], client) -> dict[str, Any]:
+    kinds = part.state_kinds
+    for r, rec in enumerate(records):
+        if rec["state_kinds"] != kinds:
+            raise CheckpointError(f"optimizer states differ between rank 0 ({kinds}) and rank {r} "
+                                  f"({rec['state_kinds']}); cannot checkpoint")
+    written = sorted(tuple(s) for rec in records for s in rec["shards"])
+    expected = sorted((b.index, s) for b in part.buckets for s in range(b.shard_count))
+    if written != expected:
+        raise CheckpointError(f"bucket shards written {written} differ from the layout's {expected}: "
+                              "a shard would be missing from the checkpoint")
+    opt = engine.optimizer.optimizer
+    groups = [json_safe({k: v for k, v in g.items() if k not in ("params", "param_names")},
+                        "optimizer param_groups") for g in opt.param_groups]
+    sched = engine.lr_scheduler
+    return {
+        "format": FORMAT, "version": VERSION, "tag": tag, "created": time.time(),
+        "torch_version": torch.__version__,
+        "world_size": engine.world_size, "stage": int(engine.settings.zero.stage),
+        "compute_dtype": str(engine.compute_dtype),
+        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        **table.to_json(),
+        "buckets": [b.to_json() for b in part.buckets],
+        "optimizer": {"class": type(opt).__name__, "states": kinds, "param_groups": groups,
+                      "json_states_in": "rank file metadata" if JSON in kinds.values() else None},
+        "lr_scheduler": None if sched is None else {
+            "class": type(sched).__name__, "state": json_safe(sched.state_dict(), "lr_scheduler state")},
+        "loss_scaler": json_safe(engine.loss_scaler.state_dict(), "loss scaler state"),
+        "config": json_safe(dict(engine.settings.raw), "config"),
+        "model_class": type(engine.module).__name__,
+        "model_config": model_config(engine.module),
+        "client_state": client,
+        "files": {rec["file"]: {"rank": r, "bytes": rec["bytes"], "sha256": rec["sha256"]}
+                  for r, rec in enumerate(records)},
+        "rng": [rec["rng"] for rec in records],
+    }
+
+
+def _commit(save_dir: str, tmp: str, tag: str, meta: dict[str, Any], keep_last: int | None) -> None:
+    write_small(os.path.join(tmp, META), dumps(meta))
+    fsync_dir(tmp)
+    pause("written")
+    final, old = os.path.join(save_dir, tag), os.path.join(save_dir, OLD_PREFIX + tag)
+    try:
+        if os.path.exists(final):  # same tag saved again: keep the old one until the new is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(save_dir)
+    except OSError as exc:
+        raise CheckpointError(f"{final}: cannot move the new checkpoint into place ({exc.strerror or exc})") from None
+    pause("renamed")
+    write_small(os.path.join(save_dir, LATEST), tag.encode())
+    shutil.rmtree(old, ignore_errors=True)
+    pause("latest")
+    if keep_last is not None:
+        prune(save_dir, keep_last, keep=tag)
+
+
+def prune(save_dir: str, keep_last: int, keep: str) -> list[str]:
+    """Remove all but the newest `keep_last` tags (never `keep`); returns the removed tags."""
+    tags = []
+    for name in os.listdir(save_dir):
+        meta = os.path.join(save_dir, name, META)
+        if not name.startswith(".") and os.path.isfile(meta):
+            tags.append((os.path.getmtime(meta), name))
+    removed = []
+    for _, name in sorted(tags)[: max(0, len(tags) - keep_last)]:
+        if name != keep:
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed

@@ -1,0 +1,135 @@
+"""What a live engine saves: the tensors of one rank's file and the model's name table.
+
+Read-only over the engine (duck-typed: `buckets`, `optimizer`, `module`, `rank`), so
+the checkpoint layer does not import the api layer above it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from zeroshard.checkpoint.files import Entry
+from zeroshard.checkpoint.format import (
+    BucketRecord,
+    bucket_key,
+    bucket_record,
+    json_safe,
+    module_key,
+)
+from zeroshard.policies import CheckpointError
+
+# How an optimizer state of one master is stored and resharded.
+ELEMENTWISE = "elementwise"  # one value per element of the master: resharded element by element
+SCALAR = "scalar"  # a 0-dim tensor per shard (Adam's step): must agree where shards merge
+OTHER = "other"  # any other tensor: loadable only into the identical shard
+JSON = "json"  # a plain Python value: kept in the rank file's metadata
+
+
+def state_kind(value: Any, master: torch.Tensor) -> str:
+    if not torch.is_tensor(value):
+        return JSON
+    if value.dim() == 0:
+        return SCALAR
+    return ELEMENTWISE if value.numel() == master.numel() else OTHER
+
+
+@dataclass
+class NameTable:
+    """Every state-dict name of the model, its shape and dtype, and which names are tied."""
+
+    names: list[str]  # state-dict order, aliases included
+    tensors: dict[str, dict[str, Any]]  # canonical name -> {"shape", "dtype", "trainable"}
+    tied: dict[str, str]  # alias -> canonical name
+    module_entries: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # not in buckets
+
+    def to_json(self) -> dict[str, Any]:
+        return {"names": self.names, "tensors": self.tensors, "tied": self.tied}
+
+
+def name_table(module: torch.nn.Module, buckets) -> NameTable:
+    """Tied tensors are found by identity in `state_dict(keep_vars=True)`: the first name
+    seen is canonical (it is the name the buckets use), later ones are aliases."""
+    in_bucket = {id(p) for b in buckets for p in b.params}
+    canonical: dict[int, str] = {}
+    table = NameTable([], {}, {})
+    for name, t in module.state_dict(keep_vars=True).items():
+        table.names.append(name)
+        if id(t) in canonical:
+            table.tied[name] = canonical[id(t)]
+            continue
+        canonical[id(t)] = name
+        trainable = id(t) in in_bucket
+        table.tensors[name] = {"shape": list(t.shape), "dtype": str(t.dtype), "trainable": trainable}
+        if not trainable:
+            table.module_entries.append((name, t))
+    return table
+
+
+def model_config(module: torch.nn.Module) -> dict[str, Any] | None:
+    """A transformers model's config as JSON, so an export loads with `from_pretrained`."""
+    to_json = getattr(getattr(module, "config", None), "to_json_string", None)
+    return None if to_json is None else json.loads(to_json(use_diff=False))
+
+
+@dataclass
+class RankFile:
+    """The entries one rank writes, the buckets' records, and the optimizer state kinds."""
+
+    entries: list[Entry]
+    buckets: list[BucketRecord]
+    shards: list[list[int]]  # [bucket, shard] pairs this rank wrote
+    state_kinds: dict[str, str]
+    json_states: dict[str, dict[str, Any]]  # bucket key -> {state: value}
+
+
+def rank_file(engine, table: NameTable, pause: Callable[[str], None]) -> RankFile:
+    opt = engine.optimizer
+    kinds: dict[str, str] = {}
+    for b, master in enumerate(opt.masters):
+        for name, value in opt.state.get(master, {}).items():
+            kind = state_kind(value, master)
+            if kinds.setdefault(name, kind) != kind:
+                raise CheckpointError(f"optimizer state {name!r} has a different form in different shards "
+                                      f"({kinds[name]} and {kind}); it cannot be checkpointed")
+    fields = ("master",) + tuple(f"optim.{n}" for n, k in kinds.items() if k != JSON)
+    entries: list[Entry] = []
+    shards: list[list[int]] = []
+    json_states: dict[str, dict[str, Any]] = {}
+    records = [bucket_record(bucket, fields) for bucket in engine.buckets]
+    for b, (bucket, master) in enumerate(zip(engine.buckets, opt.masters)):
+        if bucket.shard_index != engine.rank:  # the lowest rank holding a shard writes it
+            continue
+        shards.append([b, bucket.shard_index])
+        entries.append(_entry(bucket_key(b, "master"), master))
+        state = opt.state.get(master, {})
+        for name, kind in kinds.items():
+            if name not in state:
+                raise CheckpointError(f"optimizer state {name!r} exists for some shards but not for bucket {b}")
+            if kind == JSON:
+                json_states.setdefault(f"bucket{b}", {})[name] = json_safe(state[name], f"optimizer state {name!r}")
+            else:
+                entries.append(_entry(bucket_key(b, f"optim.{name}"), state[name]))
+    if engine.rank == 0:
+        entries += [_entry(module_key(name), t) for name, t in table.module_entries]
+    if entries:
+        middle = len(entries) // 2
+        entries[middle] = _paused(entries[middle], pause)
+    return RankFile(entries, records, shards, kinds, json_states)
+
+
+def _entry(key: str, t: torch.Tensor) -> Entry:
+    t = t.detach()
+    flat = t.dim() > 0 and key.startswith("bucket")
+    shape = (t.numel(),) if flat else tuple(t.shape)
+    return Entry(key, shape, t.dtype, (lambda: t.reshape(-1)) if flat else (lambda: t))
+
+
+def _paused(e: Entry, pause: Callable[[str], None]) -> Entry:
+    def produce():
+        pause("rank_file")  # half of this rank's file is on disk
+        return e.produce()
+    return Entry(e.key, e.shape, e.dtype, produce)
