@@ -38,12 +38,19 @@ def make_model(case: Case) -> torch.nn.Module:
     torch.manual_seed(1234)
     if case.model == "gpt":
         return build_gpt("tiny")
+    if case.model.startswith("gpt-"):
+        import models3
+
+        kind = case.model[4:]
+        return {"ckpt-reentrant": lambda: models3.CheckpointedGPT(True),
+                "ckpt-nonreentrant": lambda: models3.CheckpointedGPT(False),
+                "skip": models3.SkippingGPT, "outside": models3.OutsideReadGPT}[kind]()
     return FrozenMLP(d_in=16, d_hidden=32, d_out=8, n_layers=4, frozen=(0, 2))
 
 
 def batch(case: Case, micro_index: int, world_size: int):
     """The full (all ranks') micro-batch number `micro_index`."""
-    if case.model == "gpt":
+    if case.model.startswith("gpt"):
         tokens = synthetic_tokens(4096, VOCAB, seed=7)
         return global_batch(tokens, MICRO, SEQ, micro_index, world_size, seed=3)
     g = torch.Generator().manual_seed(10_000 + micro_index)
@@ -69,6 +76,8 @@ def torch_optimizer(case: Case, params):
 
 def config_for(case: Case, world_size: int) -> dict[str, Any]:
     zero = {"stage": case.stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 2000, **dict(case.zero)}
+    extra = {k: v for k, v in zero.items() if k.startswith("zeroshard.")}
+    zero = {k: v for k, v in zero.items() if not k.startswith("zeroshard.")}
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": case.gas,
@@ -76,6 +85,10 @@ def config_for(case: Case, world_size: int) -> dict[str, Any]:
         "optimizer": optimizer_section(case),
         "zero_optimization": zero,
     }
+    if case.stage == 3:  # gather units: the transformer blocks, unless the case says otherwise
+        cfg["zeroshard"] = {"stage3_unit_classes": ["Block"]}
+    for key, value in extra.items():
+        cfg.setdefault("zeroshard", {})[key.split(".", 1)[1]] = list(value) if isinstance(value, tuple) else value
     if case.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if case.precision == "fp16":
@@ -85,7 +98,10 @@ def config_for(case: Case, world_size: int) -> dict[str, Any]:
 
 def train_reference(case: Case, world_size: int) -> dict[str, torch.Tensor]:
     model = make_model(case)
-    opt = torch_optimizer(case, [p for p in model.parameters() if p.requires_grad])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch_optimizer(case, trainable)
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
     for step in range(case.steps):
         for m in range(case.gas):
             x, y = batch(case, step * case.gas + m, world_size)
@@ -93,7 +109,9 @@ def train_reference(case: Case, world_size: int) -> dict[str, torch.Tensor]:
         if case.clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], case.clip)
         opt.step()
-        opt.zero_grad()
+        # zeros, not None: a parameter unused in a step gets a zero gradient, as under DDP and
+        # DeepSpeed, so momentum and Adam moments still move it
+        opt.zero_grad(set_to_none=False)
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 

@@ -38,8 +38,9 @@ from zeroshard.optim.schedulers import build_scheduler
 from zeroshard.optim.sharded import ShardedOptimizer
 from zeroshard.optim.template import OptimizerArg, plan_optimizer
 from zeroshard.partition import MemoryLedger
-from zeroshard.policies import ConfigError, Settings
-from zeroshard.stages import ParamPublisher, build_gradients, shard_count_for
+from zeroshard.policies import ConfigError, Settings, Stage
+from zeroshard.api.stage3_assembly import build_stage3, make_runtime
+from zeroshard.stages import ParamPublisher, PartitionedParams, ReplicatedParams, build_gradients, shard_count_for
 
 log = logging.getLogger("zeroshard")
 
@@ -59,18 +60,12 @@ class Engine:
 
         parts = split_parameters(module)
         self.plan = plan_optimizer(optimizer, settings.optimizer, parts.trainable, topology.device)
-        shards = shard_count_for(zero.stage, topology.world_size)
-        self.buckets = build_buckets(parts, self.plan.group_of, zero.reduce_bucket_size, shards,
-                                     topology.rank if shards > 1 else 0, self.memory, self.compute_dtype)
-        broadcast_model(module, self.buckets, self.comm)
-        masters = take_masters_and_cast(self.buckets, self.compute_dtype)
-        if self.compute_dtype != torch.float32:
-            module.to(self.compute_dtype)  # frozen parameters and buffers; bucket views already are
-        self.frozen_bytes = sum(p.numel() * p.element_size() for p in parts.frozen)
-        self.memory.hold("params", "frozen", self.frozen_bytes)
-
-        self.grads = build_gradients(settings, self.buckets, self.comm, self.memory)
-        self.publisher = ParamPublisher(self.buckets, self.comm, self.memory, zero.allgather_bucket_size)
+        if zero.stage == Stage.PARAMETERS:
+            masters = self._assemble_stage3(parts)
+        else:
+            masters = self._assemble_replicated(parts)
+        frozen_whole = [p for p in parts.frozen if not self._partitioned_frozen.get(id(p))]
+        self.memory.hold("params", "frozen", sum(p.numel() * p.element_size() for p in frozen_whole))
         self.optimizer = ShardedOptimizer(self.buckets, masters, self.plan.build, self.plan.group_options,
                                           self.memory, zero.sub_group_size)
         self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
@@ -87,6 +82,51 @@ class Engine:
             for line in startup_banner(self, parts):
                 log.info(line)
 
+    def _assemble_replicated(self, parts) -> list[torch.Tensor]:
+        """Stages 0-2: whole parameters in buckets; optimizer state split `shards` ways."""
+        zero, topo = self.settings.zero, self.topology
+        shards = shard_count_for(zero.stage, topo.world_size)
+        self.buckets = build_buckets(parts, self.plan.group_of, zero.reduce_bucket_size, shards,
+                                     topo.rank if shards > 1 else 0, self.memory, self.compute_dtype)
+        broadcast_model(self.module, self.buckets, self.comm)
+        masters = take_masters_and_cast(self.buckets, self.compute_dtype)
+        self._cast_rest()
+        self._partitioned_frozen: dict[int, bool] = {}
+        self.frozen_buckets: list = []
+        self.units: list = []
+        self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory)
+        publisher = ParamPublisher(self.buckets, self.comm, self.memory, zero.allgather_bucket_size)
+        self.params = ReplicatedParams(publisher if self.grads.publishes_params else None)
+        return masters
+
+    def _assemble_stage3(self, parts) -> list[torch.Tensor]:
+        """Stage 3: units sharded at rest, small parameters whole, gathered by the runtime."""
+        topo = self.topology
+        s3 = build_stage3(self.module, parts, self.plan.group_of, self.settings, topo.rank, topo.world_size,
+                          self.memory)
+        self.buckets = s3.trainable
+        broadcast_model(self.module, self.buckets + s3.frozen, self.comm)
+        masters = take_masters_and_cast(self.buckets, self.compute_dtype)
+        for bucket in s3.frozen:
+            bucket.to_dtype(self.compute_dtype)
+        self._cast_rest()
+        for unit in s3.units:
+            for bucket in unit.buckets:
+                bucket.partition()
+        self._partitioned_frozen = {id(p): True for b in s3.frozen for p in b.params}
+        self.frozen_buckets = s3.frozen
+        self.units = s3.units
+        self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory)
+        runtime = make_runtime(s3, self.comm, self.memory, self.settings)
+        self.grads.on_bucket_launched = runtime.on_bucket_reduced
+        publisher = ParamPublisher(self.buckets, self.comm, self.memory, self.settings.zero.allgather_bucket_size)
+        self.params = PartitionedParams(runtime, publisher, s3.persistent)
+        return masters
+
+    def _cast_rest(self) -> None:
+        if self.compute_dtype != torch.float32:
+            self.module.to(self.compute_dtype)  # parameters outside buckets and buffers
+
     # -- the training loop ------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -96,7 +136,11 @@ class Engine:
         if self.settings.runtime.cast_forward_inputs and self.compute_dtype != torch.float32:
             args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
         started = time.perf_counter()
-        out = self.module(*args, **kwargs)
+        self.params.begin_forward()
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self.params.end_forward()
         self._timers["forward"] += time.perf_counter() - started
         return out
 
@@ -107,9 +151,13 @@ class Engine:
         gas = self.settings.batch.gradient_accumulation_steps
         started = time.perf_counter()
         self.grads.begin_backward(self.is_gradient_accumulation_boundary(), self.micro_steps % gas == 0)
+        self.params.begin_backward()
         scale = self.loss_scaler.scale / gas
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        self.grads.end_backward()
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            self.grads.end_backward()
+        finally:
+            self.params.end_backward()
         self._timers["backward"] += time.perf_counter() - started
         return loss
 
@@ -131,9 +179,8 @@ class Engine:
                         self.skipped_steps, self.rank, self.grads.nonfinite_parameters() or "none in its shard")
         else:
             coef = clip_coefficient(self._grad_norm or 0.0, self.settings.gradient_clipping) / loss_scale
-            publish = self.publisher.publish if self.grads.publishes_params else (lambda b: None)
-            self.optimizer.step(self.grads.grad_shard, coef, publish)
-            self.publisher.wait()
+            self.optimizer.step(self.grads.grad_shard, coef, self.params.publish)
+            self.params.wait()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
@@ -233,19 +280,27 @@ class Engine:
     # -- state -------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: full fp32 tensor on CPU} on every rank, trainable values from the fp32 masters,
-        gathered one bucket at a time. Tied parameters appear under each of their names."""
+        gathered one bucket at a time (peak: one bucket in fp32). Tied parameters appear
+        under each of their names. A collective: every rank must call it."""
         where = {id(p): (b, s) for b, bucket in enumerate(self.buckets) for s, p in enumerate(bucket.params)}
-        entries = self.module.state_dict(keep_vars=True)
-        by_bucket: dict[int, torch.Tensor] = {}
-        sharded = self.grads.partitioned
-        for bucket, full in full_fp32_buckets(self.buckets, self.optimizer.masters, self.comm, sharded):
-            by_bucket[bucket.layout.index] = full.cpu()
+        frozen = {id(p): (b, s) for b, bucket in enumerate(self.frozen_buckets)
+                  for s, p in enumerate(bucket.params)}
+        full_of: dict[int, torch.Tensor] = {}
+        for bucket, full in full_fp32_buckets(self.buckets, self.optimizer.masters, self.comm,
+                                              self.grads.partitioned):
+            full_of[id(bucket)] = full.cpu()
+        for bucket in self.frozen_buckets:
+            full = bucket.new_full()
+            self.comm.all_gather(full, bucket.shard(), what=f"full state dict, frozen unit '{bucket.name}'").wait()
+            full_of[id(bucket)] = full.float().cpu()
+            self.memory.release("params", f"{bucket.key}.full")
         out: dict[str, torch.Tensor] = {}
-        for name, t in entries.items():
-            if id(t) in where:
-                b, s = where[id(t)]
-                slot = self.buckets[b].slots[s]
-                out[name] = by_bucket[b][slot.offset : slot.end].view(slot.shape).clone()
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in where or id(t) in frozen:
+                b, s = where[id(t)] if id(t) in where else frozen[id(t)]
+                bucket = self.buckets[b] if id(t) in where else self.frozen_buckets[b]
+                slot = bucket.slots[s]
+                out[name] = full_of[id(bucket)][slot.offset : slot.end].view(slot.shape).clone()
             else:
                 t = t.detach()
                 out[name] = (t.float() if t.is_floating_point() else t).cpu().clone()
@@ -254,11 +309,10 @@ class Engine:
     def refresh_params_from_masters(self) -> None:
         """Write every fp32 master shard into its bucket (in the compute dtype) and publish
         it to all ranks, as after an optimizer step. For checkpoint loading and user edits."""
-        publish = self.publisher.publish if self.grads.publishes_params else (lambda b: None)
         for b, (bucket, master) in enumerate(zip(self.buckets, self.optimizer.masters)):
             bucket.shard().copy_(master)
-            publish(b)
-        self.publisher.wait()
+            self.params.publish(b)
+        self.params.wait()
 
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
                         keep_last: int | None = None) -> str:
@@ -283,6 +337,7 @@ class Engine:
     def close(self) -> None:
         """Remove hooks, and destroy the process group if `initialize` created it."""
         self.grads.remove_hooks()
+        self.params.remove_hooks()
         self.topology.destroy()
 
     # -- internals ----------------------------------------------------------------------------

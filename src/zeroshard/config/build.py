@@ -8,6 +8,8 @@ at stage 0) map to their defaults; they stay visible in `Settings.raw`, and
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from zeroshard.config.schema import RootConfig
@@ -91,6 +93,15 @@ def zero_policy(zero: ZeroConfig) -> ZeroPolicy:
     )
 
 
+def _with_runtime_stage3(zero: ZeroPolicy, runtime) -> ZeroPolicy:
+    """The `zeroshard` block's stage-3 unit knobs join the stage-3 policy."""
+    if zero.stage != Stage.PARAMETERS or runtime is None:
+        return zero
+    classes = tuple(runtime.stage3_unit_classes or ()) or zero.stage3.unit_classes
+    stage3 = dataclasses.replace(zero.stage3, unit_classes=classes, min_unit_params=runtime.stage3_min_unit_params)
+    return dataclasses.replace(zero, stage3=stage3)
+
+
 def _without_auto(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if not (isinstance(v, str) and v == "auto")}
 
@@ -126,7 +137,7 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
     return Settings(
         batch=batch,
         precision=precision_policy(config),
-        zero=zero_policy(config.zero),
+        zero=_with_runtime_stage3(zero_policy(config.zero), runtime),
         optimizer=optimizer,
         scheduler=scheduler,
         gradient_clipping=float(config.gradient_clipping or 0.0),

@@ -238,6 +238,8 @@ class ZeroShardConfig(Section):
 
     comm_timeout_s: PosReal = 600.0
     cast_forward_inputs: Bool = True
+    stage3_unit_classes: list[Text] | None = None  # module class names that are gather units
+    stage3_min_unit_params: PosInt = 100_000  # without unit classes: subtree size that makes a unit
 
 
 class RootConfig(Section):

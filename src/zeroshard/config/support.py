@@ -96,7 +96,7 @@ def _unbuilt_scheduler(c: "RootConfig") -> str | None:
 
 _Z = "zero_optimization."
 GAPS: tuple[Gap, ...] = (
-    Gap(_Z + "stage", lambda c: _when(c.stage == 3, 3), "0, 1 or 2"),
+    Gap(_Z + "stage", lambda c: _when(c.stage == 3, 3), "0, 1 or 2", built=True),
     Gap(_Z + "offload_optimizer.device", lambda c: _device(c.zero.offload_optimizer), '"none"', ZERO_STAGES),
     Gap(_Z + "offload_param.device", lambda c: _device(c.zero.offload_param), '"none"', STAGE3),
     Gap(_Z + "zero_quantized_weights", lambda c: _when(c.zero.zero_quantized_weights), "false", STAGE3),

@@ -25,13 +25,14 @@ class FlatBucket:
         params: list[nn.Parameter],
         shard_index: int,
         memory: MemoryLedger,
+        key: str | None = None,
     ) -> None:
         if len(params) != len(layout.slots):
             raise ValueError("one parameter per slot expected")
         self.layout = layout
         self.params = params
         self.shard_index = shard_index
-        self.key = f"bucket{layout.index}"
+        self.key = key or f"bucket{layout.index}"  # names its bytes in the memory ledger
         first = params[0]
         self.data = torch.zeros(layout.padded_numel, dtype=first.dtype, device=first.device)
         for view, param in zip(slot_views(self.data, layout), params):
@@ -51,6 +52,14 @@ class FlatBucket:
         self.memory.hold("params", self.key, data.numel() * data.element_size())
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
     def slots(self) -> tuple[Slot, ...]:
         return self.layout.slots
 
@@ -64,4 +73,5 @@ class FlatBucket:
         return self.data[lo:hi]
 
     def zeros_like_data(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.zeros_like(self.data, dtype=dtype or self.data.dtype)
+        """A zeroed buffer of the bucket's full (padded) size."""
+        return torch.zeros(self.layout.padded_numel, dtype=dtype or self.dtype, device=self.device)

@@ -110,6 +110,7 @@ class Stage3Policy:
     use_all_reduce_for_fetch_params: bool = False
     allgather_sequential: bool = False
     unit_classes: tuple[str, ...] = ()  # leaf_module.classes: module class names gathered as one unit
+    min_unit_params: int = 100_000  # without unit_classes: a subtree this large becomes a unit
 
 
 @dataclass(frozen=True)

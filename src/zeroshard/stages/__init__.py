@@ -6,8 +6,8 @@ from zeroshard.stages.gradients import (
     PartitionedGradients,
     ScatteredGradients,
 )
-from zeroshard.stages.params import ParamPublisher
+from zeroshard.stages.params import PartitionedParams, ParamPublisher, ReplicatedParams
 from zeroshard.stages.strategy import build_gradients, shard_count_for
 
-__all__ = ["AllReducedGradients", "BucketedGradients", "ParamPublisher", "PartitionedGradients",
+__all__ = ["AllReducedGradients", "BucketedGradients", "ParamPublisher", "PartitionedGradients", "PartitionedParams", "ReplicatedParams",
            "ScatteredGradients", "build_gradients", "shard_count_for"]

@@ -113,6 +113,8 @@ class BucketedGradients:
                 self._launch(b)
         return on_grad
 
+    on_bucket_launched = None  # optional callback(bucket): stage 3 releases a finished unit
+
     def _launch(self, b: int) -> None:
         self._state.launched[b] = True
         full = self._full_grad(b)
@@ -130,6 +132,8 @@ class BucketedGradients:
             self._after_reduce(b, full)
 
         self._pending.append(_Pending(b, handle, finish))
+        if self.on_bucket_launched is not None:
+            self.on_bucket_launched(self.buckets[b])
         while len(self._pending) > self._max_in_flight():
             self._retire(self._pending.pop(0))
 
@@ -278,7 +282,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         super().__init__(*args, **kwargs)
         self.shards = []
         for bucket in self.buckets:
-            shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.data.dtype, device=bucket.data.device)
+            shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.dtype, device=bucket.device)
             self.shards.append(shard)
             self.memory.hold("grads", f"{bucket.key}.shard", shard.numel() * shard.element_size())
         self._full: dict[int, torch.Tensor] = {}

@@ -40,3 +40,54 @@ class ParamPublisher:
     def wait(self) -> None:
         while self._pending:
             self._pending.pop(0).wait()
+
+
+class ReplicatedParams:
+    """Stages 0-2: parameters are whole on every rank; after a step, stages 1/2 all-gather
+    the updated shards (stage 0 updates whole buckets and publishes nothing)."""
+
+    def __init__(self, publisher: ParamPublisher | None) -> None:
+        self.publisher = publisher
+
+    def begin_forward(self) -> None: ...
+    def end_forward(self) -> None: ...
+    def begin_backward(self) -> None: ...
+    def end_backward(self) -> None: ...
+
+    def publish(self, b: int) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(b)
+
+    def wait(self) -> None:
+        if self.publisher is not None:
+            self.publisher.wait()
+
+    def remove_hooks(self) -> None: ...
+
+
+class PartitionedParams(ReplicatedParams):
+    """Stage 3: gather units on demand (the runtime's hooks); after a step only the buckets
+    of persistent (small, whole) parameters are all-gathered; unit shards are already final."""
+
+    def __init__(self, runtime, publisher: ParamPublisher, persistent: set[int]) -> None:
+        super().__init__(publisher)
+        self.runtime, self.persistent = runtime, persistent
+
+    def begin_forward(self) -> None:
+        self.runtime.begin_forward()
+
+    def end_forward(self) -> None:
+        self.runtime.end_forward()
+
+    def begin_backward(self) -> None:
+        self.runtime.begin_backward()
+
+    def end_backward(self) -> None:
+        self.runtime.end_backward()
+
+    def publish(self, b: int) -> None:
+        if b in self.persistent:
+            self.publisher.publish(b)
+
+    def remove_hooks(self) -> None:
+        self.runtime.remove_hooks()

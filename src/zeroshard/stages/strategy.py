@@ -30,7 +30,7 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
         return AllReducedGradients(buckets, comm, memory, **common)
     if zero.stage == Stage.OPTIMIZER_STATES:
         return ScatteredGradients(buckets, comm, memory, use_all_reduce=not zero.reduce_scatter, **common)
-    if zero.stage == Stage.GRADIENTS:
+    if zero.stage in (Stage.GRADIENTS, Stage.PARAMETERS):
         return PartitionedGradients(buckets, comm, memory, contiguous=zero.contiguous_gradients,
                                     use_all_reduce=not zero.reduce_scatter, **common)
-    raise NotSupportedYetError(f"zero_optimization.stage = {int(zero.stage)}: not supported yet")
+    raise NotSupportedYetError(f"zero_optimization.stage = {int(zero.stage)}: not supported")

@@ -1,0 +1,71 @@
+"""UnitBucket: a stage-3 gather unit's storage. At rest only this rank's shard exists.
+
+Between `bind(full)` and `release()` the parameters are views into the full buffer
+(filled by an all-gather the caller ran). At rest each parameter keeps its true
+shape but points at a one-element NaN expanded to that shape: shape queries work,
+an accidental read gives NaN (visible) instead of stale values, and an in-place write
+raises. Nothing is attached to the parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zeroshard.partition.flat_bucket import FlatBucket, slot_views
+from zeroshard.partition.layout import BucketLayout
+from zeroshard.partition.memory import MemoryLedger
+
+
+class UnitBucket(FlatBucket):
+    def __init__(self, layout: BucketLayout, params: list[nn.Parameter], shard_index: int,
+                 memory: MemoryLedger, name: str, key: str) -> None:
+        super().__init__(layout, params, shard_index, memory, key)
+        self.name = name  # the unit's module path, for messages
+        self._shard: torch.Tensor | None = None
+        self._dtype, self._device = self.data.dtype, self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def gathered(self) -> bool:
+        return self.data is not None
+
+    def to_dtype(self, dtype: torch.dtype) -> None:
+        super().to_dtype(dtype)
+        self._dtype = dtype
+
+    def partition(self) -> None:
+        """Keep only this rank's shard; from now on the full buffer exists only when gathered."""
+        lo, hi = self.shard_range
+        self._shard = self.data[lo:hi].clone()
+        self.memory.hold("params", self.key, self._shard.numel() * self._shard.element_size())
+        self.release()
+
+    def shard(self) -> torch.Tensor:
+        return self._shard if self._shard is not None else super().shard()
+
+    def new_full(self) -> torch.Tensor:
+        """An empty full buffer for an all-gather, counted as live parameters."""
+        full = torch.empty(self.layout.padded_numel, dtype=self._dtype, device=self._device)
+        self.memory.hold("params", f"{self.key}.full", full.numel() * full.element_size())
+        return full
+
+    def bind(self, full: torch.Tensor) -> None:
+        for view, param in zip(slot_views(full, self.layout), self.params):
+            param.data = view
+        self.data = full
+
+    def release(self) -> None:
+        nan = torch.full((), float("nan") if self._dtype.is_floating_point else 0,
+                         dtype=self._dtype, device=self._device)
+        for slot, param in zip(self.layout.slots, self.params):
+            param.data = nan.expand(slot.shape)
+        self.data = None
+        self.memory.release("params", f"{self.key}.full")

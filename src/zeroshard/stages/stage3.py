@@ -1,0 +1,304 @@
+"""Stage 3 at run time: gather a unit before it computes, release it after, prefetch ahead.
+
+State is explicit: the engine moves `phase` through IDLE -> FORWARD -> IDLE -> BACKWARD
+-> IDLE; each unit is RELEASED, GATHERING (all-gather in flight) or GATHERED, and counts
+its active users. Hooks are registered here and only here, and their handles kept.
+
+- forward: a unit's pre-forward hook gathers it (waiting for a prefetch if one is in
+  flight) and prefetches the next units of the recorded order; its post-forward hook
+  releases it unless it is reused soon (`max_reuse_distance`) and memory allows
+  (`max_live_parameters`), and registers a hook on its outputs that gathers it again
+  when backward reaches them.
+- backward: the unit is released as soon as all its gradients have been reduced
+  (`on_bucket_reduced`), or at the end of backward. A forward that runs *during*
+  backward is an activation-checkpoint recompute: it gathers but never releases.
+- order: the first step records the sequence of gathers; later steps prefetch along it.
+  A step whose sequence differs (control flow changed) stops prefetching for the rest
+  of the step, and its sequence becomes the new record. Every rank does the same.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from zeroshard.comm import Comm, Handle
+from zeroshard.partition import MemoryLedger
+from zeroshard.partition.unit_bucket import UnitBucket
+from zeroshard.policies import Stage3Policy
+
+log = logging.getLogger("zeroshard")
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class UnitState(enum.Enum):
+    RELEASED = "released"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str
+    module: nn.Module
+    buckets: list[UnitBucket]
+    state: UnitState = UnitState.RELEASED
+    users: int = 0
+    pending: list[tuple[UnitBucket, torch.Tensor, Handle]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.layout.padded_numel for b in self.buckets)
+
+    @property
+    def label(self) -> str:
+        return self.name or "<root>"
+
+
+class Stage3Runtime:
+    def __init__(self, units: list[Unit], comm: Comm, memory: MemoryLedger, policy: Stage3Policy,
+                 external_users: dict[int, list[nn.Module]]) -> None:
+        self.units, self.comm, self.memory, self.policy = units, comm, memory, policy
+        self.phase = Phase.IDLE
+        self._trace: list[int] = []  # recorded gather order of a whole step
+        self._recording: list[int] = []
+        self._on_trace = False  # the step so far follows the record: prefetch is safe
+        self._backward_pending = False  # a forward with grad ran; its backward has not
+        self._done_buckets: set[int] = set()
+        self._hooks = []
+        for unit in units:
+            self._register(unit.module, unit)
+            for module in external_users.get(unit.index, []):
+                self._register(module, unit)
+        self._unit_of_bucket = {id(b): u for u in units for b in u.buckets}
+        self._unit_of_param = {id(p): u for u in units for b in u.buckets for p in b.params}
+        self._active: list[nn.Module] = []  # modules in forward, innermost last
+        self._pinned: set[int] = set()  # units adopted by an outside read: kept until the pass ends
+        self._external = {(id(m), u.index) for u in units for m in external_users.get(u.index, [])}
+        self._reads = _OutsideReads(self)
+
+    # -- phases, driven by the engine -------------------------------------------------
+    def begin_forward(self) -> None:
+        if self._backward_pending and not torch.is_grad_enabled():
+            pass  # an evaluation between forward and backward: the pending step goes on
+        elif self._backward_pending:
+            self._finish_pass(record=False)  # the last forward never got a backward
+        if not self._recording:
+            self._on_trace = bool(self._trace)
+        self.phase = Phase.FORWARD
+        self._reads.__enter__()
+
+    def end_forward(self) -> None:
+        self._reads.__exit__(None, None, None)
+        self.phase = Phase.IDLE
+        if torch.is_grad_enabled():
+            self._backward_pending = True
+        elif not self._backward_pending:
+            self._finish_pass(record=False)  # evaluation: nothing follows, nothing to record
+
+    def begin_backward(self) -> None:
+        self.phase = Phase.BACKWARD
+
+    def end_backward(self) -> None:
+        """Every unit is released; the pass's gather sequence becomes the record if it changed."""
+        self._finish_pass(record=True)
+
+    def _finish_pass(self, record: bool) -> None:
+        self._pinned.clear()
+        self.release_all()
+        if record and self._recording and self._recording != self._trace:
+            if self._trace:
+                log.info("stage 3: execution order changed; re-recorded (%d gathers)", len(self._recording))
+            self._trace = self._recording
+        self._recording = []
+        self._done_buckets.clear()
+        self._backward_pending = False
+        self.phase = Phase.IDLE
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            unit.users = 0
+            self._release(unit)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- gathering ------------------------------------------------------------------------
+    def gather(self, unit: Unit) -> None:
+        """Make `unit` usable now (collective: every rank must call it in the same order)."""
+        if unit.state is UnitState.RELEASED:
+            self._make_room(unit.numel)
+            self._start(unit)
+        if unit.state is UnitState.GATHERING:
+            for bucket, full, handle in unit.pending:
+                handle.wait()
+                bucket.bind(full)
+            unit.pending = []
+            unit.state = UnitState.GATHERED
+
+    def _start(self, unit: Unit) -> None:
+        what = f"unit '{unit.label}' ({self.phase.value})"
+        for bucket in unit.buckets:
+            full = bucket.new_full()
+            unit.pending.append((bucket, full, self.comm.all_gather(full, bucket.shard(), what=what)))
+        unit.state = UnitState.GATHERING
+
+    def _release(self, unit: Unit) -> None:
+        if unit.state is UnitState.RELEASED or unit.index in self._pinned:
+            return
+        if unit.state is UnitState.GATHERING:  # a prefetch nobody used: finish it, then drop it
+            for _, _, handle in unit.pending:
+                handle.wait()
+            unit.pending = []
+        for bucket in unit.buckets:
+            bucket.release()
+        unit.state = UnitState.RELEASED
+
+    def _live(self) -> int:
+        return sum(u.numel for u in self.units if u.state is not UnitState.RELEASED)
+
+    def _make_room(self, numel: int) -> None:
+        """Drop units kept for reuse (nobody is using them) while over max_live_parameters."""
+        for unit in self.units:
+            if self._live() + numel <= self.policy.max_live_parameters:
+                return
+            if unit.users == 0 and unit.state is not UnitState.RELEASED:
+                self._release(unit)
+
+    def _use(self, unit: Unit) -> None:
+        """A unit is about to compute: record it, gather it, prefetch what follows it."""
+        position = len(self._recording)
+        self._recording.append(unit.index)
+        if self._on_trace and (position >= len(self._trace) or self._trace[position] != unit.index):
+            self._on_trace = False
+        self.gather(unit)
+        if self._on_trace:
+            self._prefetch(position + 1)
+
+    def _prefetch(self, start: int) -> None:
+        budget = self.policy.prefetch_bucket_size
+        for index in self._trace[start:]:
+            unit = self.units[index]
+            if unit.state is not UnitState.RELEASED:
+                continue
+            if unit.numel > budget or self._live() + unit.numel > self.policy.max_live_parameters:
+                return
+            budget -= unit.numel
+            self._start(unit)
+
+    def _reused_soon(self, unit: Unit) -> bool:
+        """Will the recorded order use `unit` again within max_reuse_distance elements?"""
+        if not self._on_trace or not torch.is_grad_enabled():
+            return False
+        distance = 0
+        for index in self._trace[len(self._recording):]:
+            if index == unit.index:
+                return distance <= self.policy.max_reuse_distance and \
+                    self._live() <= self.policy.max_live_parameters
+            distance += self.units[index].numel
+        return False
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _register(self, module: nn.Module, unit: Unit) -> None:
+        self._hooks.append(module.register_forward_pre_hook(lambda m, args: self._pre_forward(m, unit)))
+        self._hooks.append(module.register_forward_hook(lambda m, args, out: self._post_forward(m, unit, out)))
+
+    def _pre_forward(self, module: nn.Module, unit: Unit) -> None:
+        self._active.append(module)
+        unit.users += 1
+        self._use(unit)
+
+    def adopt(self, param: nn.Parameter) -> None:
+        """`param` is read while its unit is released, inside the forward of the innermost
+        active module: gather the unit now (every rank reaches the same read), keep it for the
+        rest of this pass, and from now on gather it around that module's forward too."""
+        unit = self._unit_of_param[id(param)]
+        reader = self._active[-1] if self._active else None
+        self.gather(unit)
+        self._pinned.add(unit.index)
+        if reader is not None and (id(reader), unit.index) not in self._external:
+            self._external.add((id(reader), unit.index))
+            self._register(reader, unit)
+            unit.users += 1  # the post-forward hook just registered will run for this call
+            self._active.append(reader)  # ... and pop this entry
+            log.info("stage 3: unit '%s' is read inside the forward of %s; it is now gathered with it",
+                     unit.label, type(reader).__name__)
+
+    def is_released(self, param) -> bool:
+        unit = self._unit_of_param.get(id(param))
+        return unit is not None and unit.state is not UnitState.GATHERED
+
+    def _post_forward(self, module: nn.Module, unit: Unit, output):
+        if self._active and self._active[-1] is module:
+            self._active.pop()
+        unit.users -= 1
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors:
+                # lives with the autograd graph; no handle to keep
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._pre_backward(unit), mode="any")
+        if self.phase is Phase.BACKWARD:  # recompute for activation checkpointing: keep it
+            return output
+        if unit.users == 0 and not self._reused_soon(unit):
+            self._release(unit)
+        return output
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.phase is not Phase.BACKWARD:
+            return
+        self._use(unit)
+
+    def on_bucket_reduced(self, bucket) -> None:
+        """Called by the gradient strategy when a bucket's reduce-scatter was launched: once
+        all of a unit's trainable buckets are, its backward is over and it can go."""
+        unit = self._unit_of_bucket.get(id(bucket))
+        if unit is None or self.phase is not Phase.BACKWARD or unit.users:
+            return
+        self._done_buckets.add(id(bucket))
+        trainable = [b for b in unit.buckets if b.params[0].requires_grad]
+        if all(id(b) in self._done_buckets for b in trainable):
+            self._release(unit)
+            for b in trainable:
+                self._done_buckets.discard(id(b))
+
+
+class _OutsideReads(TorchFunctionMode):
+    """While a stage-3 forward runs: any op handed a parameter whose unit is released gets the
+    unit gathered first (see `Stage3Runtime.adopt`). One identity lookup per tensor argument."""
+
+    def __init__(self, runtime: Stage3Runtime) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for arg in (*args, *kwargs.values()):
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(t, nn.Parameter) and self.runtime.is_released(t):
+                    self.runtime.adopt(t)
+        return func(*args, **kwargs)
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
