@@ -189,14 +189,16 @@ class Stage3Runtime:
             self._prefetch(position + 1)
 
     def _prefetch(self, start: int) -> None:
-        budget = self.policy.prefetch_bucket_size
+        ahead = 0  # elements of the recorded order looked past, gathered or not
         for index in self._trace[start:]:
             unit = self.units[index]
+            ahead += unit.numel
+            if ahead > self.policy.prefetch_bucket_size:
+                return
             if unit.state is not UnitState.RELEASED:
                 continue
-            if unit.numel > budget or self._live() + unit.numel > self.policy.max_live_parameters:
+            if self._live() + unit.numel > self.policy.max_live_parameters:
                 return
-            budget -= unit.numel
             self._start(unit)
 
     def _reused_soon(self, unit: Unit) -> bool:
@@ -205,8 +207,8 @@ class Stage3Runtime:
             return False
         distance = 0
         for index in self._trace[len(self._recording):]:
-            if index == unit.index:
-                return distance <= self.policy.max_reuse_distance and \
+            if index == unit.index:  # strictly closer: max_reuse_distance 0 never keeps a unit
+                return distance < self.policy.max_reuse_distance and \
                     self._live() <= self.policy.max_live_parameters
             distance += self.units[index].numel
         return False
@@ -276,6 +278,9 @@ class Stage3Runtime:
                 self._done_buckets.discard(id(b))
 
 
+_ACCESSORS = {"__get__", "__set__", "__delete__"}
+
+
 class _OutsideReads(TorchFunctionMode):
     """While a stage-3 forward runs: any op handed a parameter whose unit is released gets the
     unit gathered first (see `Stage3Runtime.adopt`). One identity lookup per tensor argument."""
@@ -286,6 +291,10 @@ class _OutsideReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # attribute access (.data, .shape, .grad, ...) reads no values; the runtime's own
+        # rebinding of `param.data` passes through here too
+        if getattr(func, "__name__", "") in _ACCESSORS:
+            return func(*args, **kwargs)
         for arg in (*args, *kwargs.values()):
             for t in arg if isinstance(arg, (list, tuple)) else (arg,):
                 if isinstance(t, nn.Parameter) and self.runtime.is_released(t):

@@ -1,0 +1,102 @@
+"""Stage 3 figures from the ledgers: 3 x Phi per step, Phi x 2 / N at rest (bf16), peaks capped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from oracle import Case, train_engine
+
+WORLD = 2
+NO_REUSE = (("stage3_max_reuse_distance", 0), ("stage3_param_persistence_threshold", 0))
+RUNS = {
+    "fp32": Case(stage=3, optimizer="adamw", zero=NO_REUSE),
+    "bf16": Case(stage=3, optimizer="adamw", precision="bf16", zero=NO_REUSE),
+    "persist": Case(stage=3, optimizer="sgd", zero=(("stage3_max_reuse_distance", 0),
+                                                   ("stage3_param_persistence_threshold", 100))),
+    "live-cap": Case(stage=3, optimizer="sgd", precision="bf16",
+                     zero=NO_REUSE + (("stage3_max_live_parameters", 16_000),)),
+    "reuse": Case(stage=3, optimizer="sgd", zero=(("stage3_param_persistence_threshold", 0),)),
+}
+
+
+def _worker(rank, world_size, runs):
+    dist.init_process_group("gloo")
+    out = {}
+    for key, case in runs.items():
+        engine, _ = train_engine(case.with_(steps=1), rank, world_size)
+        engine.reset_comm_stats()
+        engine.reset_memory_stats()
+        at_rest = engine.memory_stats()
+        x = torch.randint(0, 64, (2, 16))
+        engine.backward(engine(x, x)[1])
+        engine.step()
+        units = [sum(b.layout.padded_numel for b in u.buckets) for u in engine.units]
+        persistent = [b.layout.padded_numel for i, b in enumerate(engine.buckets) if i in engine.params.persistent]
+        out[key] = {"comm": engine.comm_stats(), "rest": at_rest, "mem": engine.memory_stats(), "units": units,
+                    "persistent": persistent, "itemsize": engine.buckets[0].dtype.itemsize,
+                    "phi": sum(p.numel() for p in engine.module.parameters())}
+        engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ledgers():
+    return run_ranks(_worker, WORLD, RUNS, timeout=300)
+
+
+def paper(comm) -> int:
+    return 2 * comm["all_reduce"]["elements"] + comm["reduce_scatter"]["elements"] + comm["all_gather"]["elements"]
+
+
+@pytest.mark.parametrize("key", ["fp32", "bf16"])
+def test_three_phi_per_step(ledgers, key):
+    for rank in range(WORLD):
+        r = ledgers[rank][key]
+        phi = sum(r["units"])
+        assert r["persistent"] == []
+        assert r["comm"]["all_gather"]["elements"] == 2 * phi  # forward + backward
+        assert r["comm"]["reduce_scatter"]["elements"] == phi
+        assert r["comm"]["all_reduce"]["elements"] == 1  # the global gradient norm
+        assert paper(r["comm"]) == 3 * phi + 2
+        assert phi - r["phi"] <= len(r["units"]) * WORLD * 8  # padding: < one alignment unit per shard
+
+
+def test_persistent_parameters_counted_separately(ledgers):
+    r = ledgers[0]["persist"]
+    phi_units, phi_whole = sum(r["units"]), sum(r["persistent"])
+    assert phi_whole > 0
+    # units: gathered twice and reduce-scattered; whole parameters: reduce-scattered and all-gathered
+    assert r["comm"]["all_gather"]["elements"] == 2 * phi_units + phi_whole
+    assert r["comm"]["reduce_scatter"]["elements"] == phi_units + phi_whole
+    assert paper(r["comm"]) == 3 * phi_units + 2 * phi_whole + 2
+
+
+def test_parameters_at_rest_are_phi_times_2_over_n_in_bf16(ledgers):
+    for rank in range(WORLD):
+        r = ledgers[rank]["bf16"]
+        phi = sum(r["units"])
+        assert r["itemsize"] == 2
+        assert r["rest"]["params"] == phi * 2 // WORLD
+        assert r["mem"]["params"] == phi * 2 // WORLD  # released again after the step
+        assert r["mem"]["optimizer_states"] == 12 * phi // WORLD
+
+
+def test_peak_stays_within_max_live_parameters(ledgers):
+    for rank in range(WORLD):
+        r = ledgers[rank]["live-cap"]
+        root, blocks = r["units"][0], r["units"][1:]
+        assert root + max(blocks) <= 16_000 < root + sum(blocks), "the cap must allow root + one block only"
+        assert r["mem"]["peak_params"] <= r["rest"]["params"] + 16_000 * r["itemsize"]
+        assert r["mem"]["peak_params"] > r["rest"]["params"]  # something was gathered
+
+
+def test_reuse_distance_saves_the_backward_gather(ledgers):
+    """With DeepSpeed's default max_reuse_distance (1e9 elements), units reused soon stay gathered
+    from forward into backward: fewer all-gathers than 2 x Phi, never more."""
+    r = ledgers[0]["reuse"]
+    phi = sum(r["units"])
+    assert phi <= r["comm"]["all_gather"]["elements"] < 2 * phi
+    assert r["mem"]["peak_params"] <= r["rest"]["params"] + phi * r["itemsize"]
