@@ -405,7 +405,7 @@ def report(args, results: list[Result], total_s: float, world: int = 2) -> None:
              f"x {args.rounds} round(s)")
     table = Table(title=title, title_justify="left")
     for col, just in [("variant", "left"), ("step s (median)", "right"), ("x DDP", "right"),
-                      ("clean steps", "right"), ("min s", "right"),
+                      ("clean steps", "right"), ("min s", "right"), ("x DDP (min)", "right"),
                       ("model states MiB", "right"), ("x DDP", "right"),
                       ("+bufs MiB", "right"), ("peak RSS MiB", "right"), ("comm/step (xPhi)", "right"),
                       ("last loss", "right"), ("other load max", "right")]:
@@ -418,6 +418,7 @@ def report(args, results: list[Result], total_s: float, world: int = 2) -> None:
                 else {"ddp": "~2 (analytic)", "zero-red": "~3 (analytic)"}.get(r.name, "-"))
         table.add_row(r.name, f"{t:.3f}" + ("" if ok else "*"), f"{t / base_t:.3f}",
                       f"{n_clean}/{len(r.step_times)}", f"{min(r.step_times):.3f}",
+                      f"{min(r.step_times) / min(ddp.step_times):.3f}",
                       _mib(r.model_state_bytes), f"{r.model_state_bytes / base_m:.3f}",
                       _mib(r.model_state_bytes + r.buffer_bytes), _mib(r.rss_bytes), comm, f"{r.losses[-1]:.4f}",
                       f"{max(r.other_load):.2f}")
