@@ -1,6 +1,6 @@
 """zeroshard: ZeRO stages for PyTorch, small, measured, DeepSpeed-config compatible."""
 
-from zeroshard.api import Engine, initialize
+from zeroshard.api import Engine, GatheredParameters, Init, initialize
 from zeroshard.policies import (
     CheckpointError,
     CommError,
@@ -13,6 +13,6 @@ from zeroshard.policies import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CommError", "CommTimeoutError", "ConfigError", "Engine",
+    "CheckpointError", "CommError", "CommTimeoutError", "ConfigError", "Engine", "GatheredParameters", "Init",
     "NotSupportedYetError", "ZeroShardError", "__version__", "initialize",
 ]

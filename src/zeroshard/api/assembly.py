@@ -55,16 +55,18 @@ def take_masters_and_cast(buckets: list[FlatBucket], compute_dtype: torch.dtype)
     return masters
 
 
-def broadcast_model(module: nn.Module, buckets: list[FlatBucket], comm: Comm) -> None:
-    """Make every rank start from rank 0's parameters and buffers (one call per bucket)."""
+def broadcast_model(module: nn.Module, buckets: list[FlatBucket], comm: Comm, loose: bool = True) -> None:
+    """Make every rank start from rank 0's values: one call per bucket, and (with `loose`)
+    one per parameter or buffer outside the buckets."""
     if comm.world_size == 1:
         return
-    in_buckets = {id(p) for b in buckets for p in b.params}
-    handles: list[Handle] = [comm.broadcast(b.data, 0, what=f"initial parameters, bucket {b.layout.index}")
+    handles: list[Handle] = [comm.broadcast(b.data, 0, what=f"initial parameters, bucket {b.key}")
                              for b in buckets]
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if id(t) not in in_buckets:
-            handles.append(comm.broadcast(t.data, 0, what=f"initial value of {name}"))
+    if loose:
+        in_buckets = {id(p) for b in buckets for p in b.params}
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if id(t) not in in_buckets:
+                handles.append(comm.broadcast(t.data, 0, what=f"initial value of {name}"))
     for h in handles:
         h.wait()
 

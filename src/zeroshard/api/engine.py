@@ -31,6 +31,7 @@ from zeroshard.api.assembly import (
     take_masters_and_cast,
 )
 from zeroshard.api.banner import startup_banner
+from zeroshard.api.gathered import register_engine
 from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.optim.clipping import clip_coefficient, global_grad_norm
 from zeroshard.optim.loss_scaler import make_loss_scaler
@@ -54,7 +55,8 @@ class Engine:
         self.comm = Comm(topology, CommLedger(topology.world_size), settings.runtime.comm_timeout_s)
         self.memory = MemoryLedger()
         self.compute_dtype = settings.precision.compute.dtype
-        module.to(topology.device)
+        if settings.zero.stage != Stage.PARAMETERS:
+            module.to(topology.device)  # stage 3 moves one unit at a time
         self.module = module
         zero = settings.zero
 
@@ -78,6 +80,7 @@ class Engine:
         self._warned_no_sync = False
         self._timers: dict[str, float] = defaultdict(float)
         self.comm.where = "step 0"
+        register_engine(self)
         if topology.rank == 0:
             for line in startup_banner(self, parts):
                 log.info(line)
@@ -102,17 +105,11 @@ class Engine:
     def _assemble_stage3(self, parts) -> list[torch.Tensor]:
         """Stage 3: units sharded at rest, small parameters whole, gathered by the runtime."""
         topo = self.topology
-        s3 = build_stage3(self.module, parts, self.plan.group_of, self.settings, topo.rank, topo.world_size,
-                          self.memory)
+        s3 = build_stage3(self.module, parts, self.plan.group_of, self.settings, self.comm, self.memory,
+                          topo.device)
         self.buckets = s3.trainable
-        broadcast_model(self.module, self.buckets + s3.frozen, self.comm)
-        masters = take_masters_and_cast(self.buckets, self.compute_dtype)
-        for bucket in s3.frozen:
-            bucket.to_dtype(self.compute_dtype)
+        masters = s3.masters
         self._cast_rest()
-        for unit in s3.units:
-            for bucket in unit.buckets:
-                bucket.partition()
         self._partitioned_frozen = {id(p): True for b in s3.frozen for p in b.params}
         self.frozen_buckets = s3.frozen
         self.units = s3.units

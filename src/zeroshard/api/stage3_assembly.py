@@ -1,5 +1,8 @@
-"""Putting a model into stage-3 units: unit buckets (sharded at rest), persistent buckets
-(small parameters kept whole, stage-2 style), and the runtime that gathers units."""
+"""Putting a model into stage-3 units, one unit at a time so the peak is about one unit
+beyond the shards: give the unit's parameters their full values (from `zeroshard.Init`
+shards, the meta device, or as they are), copy them into unit buckets, make every rank
+agree with rank 0, keep fp32 masters of the trainable shards, cast, and drop all but
+this rank's shard. Small parameters stay whole in persistent (stage-2 style) buckets."""
 
 from __future__ import annotations
 
@@ -8,11 +11,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.api.assembly import ALIGN_BYTES, ModelParts
+from zeroshard.api.assembly import ALIGN_BYTES, ModelParts, broadcast_model, take_masters_and_cast
+from zeroshard.api.init import materialize
 from zeroshard.comm import Comm
 from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
+from zeroshard.partition.param_shards import forget
 from zeroshard.partition.unit_bucket import UnitBucket
-from zeroshard.policies import Settings
+from zeroshard.policies import ConfigError, Settings
 from zeroshard.stages.stage3 import Stage3Runtime, Unit
 from zeroshard.stages.units import plan_stage3
 
@@ -22,47 +27,103 @@ WHOLE_UNIT = 2**62  # a unit's parameters of one dtype and group form one bucket
 @dataclass
 class Stage3Parts:
     trainable: list[FlatBucket]  # unit buckets first, then persistent buckets
+    masters: list[torch.Tensor]  # fp32 master of each trainable bucket's shard
     frozen: list[UnitBucket]  # frozen parameters of units (sharded, never stepped)
     persistent: set[int]  # indices into `trainable` of persistent (whole) buckets
     units: list[Unit]
     external_users: dict[int, list[nn.Module]]
 
 
-def _layouts(params: list[nn.Parameter], names: dict[int, str], group_of: dict[int, int], bucket_numel: int,
-             shards: int, dtype: torch.dtype):
+def _layouts(params, names, group_of, bucket_numel, shards, dtype):
     infos = [ParamInfo(names[id(p)], tuple(p.shape), str(dtype), group_of.get(id(p), 0)) for p in params]
     itemsize = torch.empty((), dtype=dtype).element_size()
     return plan_buckets(infos, bucket_numel, shards, alignment=max(1, ALIGN_BYTES // itemsize))
 
 
+def _full_values(model: nn.Module, params: list[nn.Parameter], comm: Comm, device: torch.device) -> bool:
+    """Give `params` their full values; True when all came from `Init` shards (already agreed)."""
+    from_init = [materialize(p, comm) for p in params]
+    meta = {id(p) for p in params if p.is_meta}
+    if meta:
+        for name, module in model.named_modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in meta]
+            if not own:
+                continue
+            if not hasattr(module, "reset_parameters"):
+                raise ConfigError(
+                    f"cannot materialize '{name}' ({type(module).__name__}) from the meta device: it has no "
+                    "reset_parameters(); build the model under zeroshard.Init instead, or give it one.")
+            for p in own:  # swapped in place: the Parameter objects (and ties between modules) stay
+                real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                torch.utils.swap_tensors(p, real)
+            module.reset_parameters()
+    for p in params:  # one unit at a time onto the device: the peak stays one unit
+        if p.device != device:
+            p.data = p.data.to(device)
+    return bool(params) and all(from_init)
+
+
 def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], settings: Settings,
-                 rank: int, world: int, memory: MemoryLedger) -> Stage3Parts:
+                 comm: Comm, memory: MemoryLedger, device: torch.device) -> Stage3Parts:
     dtype = settings.precision.compute.dtype
+    rank, world = comm.rank, comm.world_size
     plan = plan_stage3(model, settings.zero.stage3, settings.zero.stage3.min_unit_params)
     trainable: list[FlatBucket] = []
+    masters: list[torch.Tensor] = []
     frozen: list[UnitBucket] = []
     units: list[Unit] = []
-    external: dict[int, list[nn.Module]] = {}
     for i, up in enumerate(plan.units):
+        agreed = _full_values(model, up.params, comm, device)
         buckets: list[UnitBucket] = []
         for kind, params in (("t", [p for p in up.params if p.requires_grad]),
                              ("f", [p for p in up.params if not p.requires_grad])):
-            if not params:
-                continue
-            for lay in _layouts(params, parts.names, group_of if kind == "t" else {}, WHOLE_UNIT, world, dtype):
-                bucket = UnitBucket(lay, [params[s.index] for s in lay.slots], rank, memory,
-                                    name=up.name, key=f"unit{i}.{kind}{lay.index}")
-                buckets.append(bucket)
-                (trainable if kind == "t" else frozen).append(bucket)
+            for lay in (_layouts(params, parts.names, group_of if kind == "t" else {}, WHOLE_UNIT, world, dtype)
+                        if params else ()):
+                buckets.append(UnitBucket(lay, [params[s.index] for s in lay.slots], rank, memory,
+                                          name=up.name, key=f"unit{i}.{kind}{lay.index}"))
+        if not agreed:
+            broadcast_model(model, buckets, comm, loose=False)
+        train = [b for b in buckets if b.params[0].requires_grad]
+        masters += take_masters_and_cast(train, dtype)
+        trainable += train
+        for b in buckets:
+            b.to_dtype(dtype)
+            b.partition()
+            if not b.params[0].requires_grad:
+                frozen.append(b)
+        for p in up.params:
+            forget(p)
         units.append(Unit(i, up.name, up.module, buckets))
-        external[i] = up.external_users
-    persistent_params = [p for p in plan.persistent if p.requires_grad]
+    persistent = [p for p in plan.persistent if p.requires_grad]
     first = len(trainable)
-    if persistent_params:
-        for lay in _layouts(persistent_params, parts.names, group_of, settings.zero.reduce_bucket_size, world, dtype):
-            trainable.append(FlatBucket(lay, [persistent_params[s.index] for s in lay.slots], rank, memory,
-                                        key=f"persistent{lay.index}"))
-    return Stage3Parts(trainable, frozen, set(range(first, len(trainable))), units, external)
+    if persistent:
+        agreed = _full_values(model, persistent, comm, device)
+        whole = [FlatBucket(lay, [persistent[s.index] for s in lay.slots], rank, memory, key=f"persistent{lay.index}")
+                 for lay in _layouts(persistent, parts.names, group_of, settings.zero.reduce_bucket_size, world, dtype)]
+        if not agreed:
+            broadcast_model(model, whole, comm, loose=False)
+        masters += take_masters_and_cast(whole, dtype)
+        trainable += whole
+    loose_frozen = [p for p in plan.persistent if not p.requires_grad]
+    _full_values(model, loose_frozen, comm, device)
+    in_buckets = {id(p) for b in trainable + frozen for p in b.params}
+    _place_rest(model, in_buckets, comm, device)
+    return Stage3Parts(trainable, masters, frozen, set(range(first, len(trainable))), units,
+                       {i: up.external_users for i, up in enumerate(plan.units)})
+
+
+def _place_rest(model: nn.Module, in_buckets: set[int], comm: Comm, device: torch.device) -> None:
+    """Parameters outside buckets and buffers: onto the device, equal to rank 0's."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) in in_buckets:
+            continue
+        if t.is_meta:
+            raise ConfigError(f"'{name}' is still on the meta device; materialize buffers before initialize() "
+                              "(zeroshard materializes parameters only, through reset_parameters())")
+        if t.device != device:
+            t.data = t.data.to(device)
+        if comm.world_size > 1:
+            comm.broadcast(t.data, 0, what=f"initial value of {name}").wait()
 
 
 def make_runtime(parts: Stage3Parts, comm: Comm, memory: MemoryLedger, settings: Settings) -> Stage3Runtime:

@@ -48,7 +48,7 @@ def pause(phase: str) -> None:
     """Let a test kill a save at a chosen phase: announce it on stderr, then wait."""
     if os.environ.get(PAUSE_ENV) == phase:
         print(f"zeroshard-checkpoint-paused {phase}", file=sys.stderr, flush=True)
-        time.sleep(600)
+        time.sleep(120)
 
 
 def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,

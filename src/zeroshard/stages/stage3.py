@@ -239,6 +239,19 @@ class Stage3Runtime:
             log.info("stage 3: unit '%s' is read inside the forward of %s; it is now gathered with it",
                      unit.label, type(reader).__name__)
 
+    def units_of(self, params) -> list[Unit]:
+        units = {self._unit_of_param[id(p)].index for p in params if id(p) in self._unit_of_param}
+        return [self.units[i] for i in sorted(units)]
+
+    def pin(self, unit: Unit) -> None:
+        """Keep `unit` gathered until `unpin` (GatheredParameters)."""
+        self._pinned.add(unit.index)
+
+    def unpin(self, unit: Unit) -> None:
+        self._pinned.discard(unit.index)
+        if unit.users == 0 and self.phase is Phase.IDLE:
+            self._release(unit)
+
     def is_released(self, param) -> bool:
         unit = self._unit_of_param.get(id(param))
         return unit is not None and unit.state is not UnitState.GATHERED

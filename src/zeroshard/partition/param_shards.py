@@ -1,0 +1,55 @@
+"""Parameters partitioned one at a time, before any unit exists (`zeroshard.Init`).
+
+Each such parameter keeps its true shape but points at a one-element NaN (as a released
+stage-3 parameter does); this rank's slice of its flattened value, padded to a multiple
+of the world size, is kept here, keyed weakly by the parameter (nothing is attached to it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ParamShard:
+    shard: torch.Tensor  # this rank's slice of the flattened, padded value
+    numel: int
+    world_size: int
+
+
+# id(param) -> (weak reference, shard). Not a WeakKeyDictionary: it compares keys with ==,
+# which for tensors is elementwise.
+_SHARDS: dict[int, tuple[weakref.ref, ParamShard]] = {}
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """True shape, one element of storage: NaN for floats, so an accidental read shows."""
+    fill = float("nan") if dtype.is_floating_point else 0
+    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
+
+
+def shard_parameter(param: nn.Parameter, rank: int, world_size: int) -> ParamShard:
+    """Keep rank `rank`'s slice of `param` and free the rest."""
+    flat = param.detach().reshape(-1)
+    per_rank = -(-flat.numel() // world_size)
+    padded = torch.zeros(per_rank * world_size, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()].copy_(flat)
+    entry = ParamShard(padded[rank * per_rank : (rank + 1) * per_rank].clone(), flat.numel(), world_size)
+    param.data = placeholder(param.shape, param.dtype, param.device)
+    key = id(param)
+    _SHARDS[key] = (weakref.ref(param, lambda _: _SHARDS.pop(key, None)), entry)
+    return entry
+
+
+def shard_of(param: nn.Parameter) -> ParamShard | None:
+    found = _SHARDS.get(id(param))
+    return found[1] if found is not None and found[0]() is param else None
+
+
+def forget(param: nn.Parameter) -> None:
+    if shard_of(param) is not None:
+        del _SHARDS[id(param)]
