@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from typing import Any
 
@@ -47,7 +46,7 @@ PAUSE_ENV = "ZEROSHARD_CHECKPOINT_TEST_PAUSE"  # "<phase>": tests stop a save th
 def pause(phase: str) -> None:
     """Let a test kill a save at a chosen phase: announce it on stderr, then wait."""
     if os.environ.get(PAUSE_ENV) == phase:
-        print(f"zeroshard-checkpoint-paused {phase}", file=sys.stderr, flush=True)
+        os.write(2, f"zeroshard-checkpoint-paused {phase}\n".encode())  # one write: lines never interleave
         time.sleep(120)
 
 
