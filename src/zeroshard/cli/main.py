@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("train", "estimate", "plan")
+COMMANDS = ("train", "estimate", "plan", "export", "inspect")
 
 
 def build_parser() -> argparse.ArgumentParser:
