@@ -34,8 +34,23 @@ class Case:
         return replace(self, **kw)
 
 
+def hf_model(kind: str) -> torch.nn.Module:
+    """Tiny transformers models built from a config: no download, dropout off."""
+    import transformers as hf
+
+    if kind == "gpt2":
+        return hf.GPT2LMHeadModel(hf.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return hf.LlamaForCausalLM(hf.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+
+
 def make_model(case: Case) -> torch.nn.Module:
     torch.manual_seed(1234)
+    if case.model.startswith("hf-"):
+        return hf_model(case.model[3:])
     if case.model == "gpt":
         return build_gpt("tiny")
     if case.model.startswith("gpt-"):
@@ -50,7 +65,7 @@ def make_model(case: Case) -> torch.nn.Module:
 
 def batch(case: Case, micro_index: int, world_size: int):
     """The full (all ranks') micro-batch number `micro_index`."""
-    if case.model.startswith("gpt"):
+    if case.model.startswith(("gpt", "hf-")):
         tokens = synthetic_tokens(4096, VOCAB, seed=7)
         return global_batch(tokens, MICRO, SEQ, micro_index, world_size, seed=3)
     g = torch.Generator().manual_seed(10_000 + micro_index)
@@ -59,6 +74,9 @@ def batch(case: Case, micro_index: int, world_size: int):
 
 
 def loss_of(model, x, y):
+    inner = getattr(model, "module", model)
+    if type(inner).__module__.startswith("transformers"):
+        return model(input_ids=x, labels=y).loss
     return model(x, y)[1]
 
 
@@ -86,7 +104,8 @@ def config_for(case: Case, world_size: int) -> dict[str, Any]:
         "zero_optimization": zero,
     }
     if case.stage == 3:  # gather units: the transformer blocks, unless the case says otherwise
-        cfg["zeroshard"] = {"stage3_unit_classes": ["Block"]}
+        block = {"hf-gpt2": "GPT2Block", "hf-llama": "LlamaDecoderLayer"}.get(case.model, "Block")
+        cfg["zeroshard"] = {"stage3_unit_classes": [block]}
     for key, value in extra.items():
         cfg.setdefault("zeroshard", {})[key.split(".", 1)[1]] = list(value) if isinstance(value, tuple) else value
     if case.precision == "bf16":

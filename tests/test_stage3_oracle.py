@@ -31,6 +31,10 @@ CASES = [
     Case(model="gpt-ckpt-nonreentrant", stage=3, optimizer="sgd", zero=NO_REUSE),
     Case(model="gpt-ckpt-nonreentrant", stage=3, optimizer="adamw", gas=2, zero=SMALL_WHOLE),
     Case(model="gpt-outside", stage=3, optimizer="sgd", zero=NO_REUSE),
+    Case(model="hf-gpt2", stage=3, optimizer="sgd", zero=NO_REUSE),
+    Case(model="hf-gpt2", stage=3, optimizer="adamw", gas=2, zero=SMALL_WHOLE),
+    Case(model="hf-llama", stage=3, optimizer="sgd", zero=NO_REUSE),
+    Case(model="hf-llama", stage=3, optimizer="adamw", zero=SMALL_WHOLE),
     Case(model="mlp", stage=3, optimizer="sgd", zero=NO_REUSE + (("zeroshard.stage3_unit_classes", ("Linear",)),)),
 ]
 

@@ -24,6 +24,8 @@ CASES = [
     Case(stage=1, zero=(("reduce_scatter", False),)),
     Case(stage=2, zero=(("reduce_bucket_size", 100_000), ("allgather_bucket_size", 100_000))),
     Case(stage=1, optimizer="adamw", zero=(("sub_group_size", 2_000),)),
+    Case(model="hf-gpt2", stage=2, optimizer="sgd"),
+    Case(model="hf-llama", stage=1, optimizer="adamw", gas=2),
 ]
 
 
