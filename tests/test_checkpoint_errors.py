@@ -22,7 +22,7 @@ from zeroshard.policies import CheckpointError
 CFG = {"train_micro_batch_size_per_gpu": 2,
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
        "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000}}
-RANK0 = "rank00000.safetensors"
+RANK0 = "rank00000.model.safetensors"
 
 
 @pytest.fixture(autouse=True)
@@ -80,6 +80,16 @@ def test_missing_rank_file(saved):
     os.remove(tag / RANK0)
     msg = load_error(root)
     assert RANK0 in msg and "missing rank file" in msg, msg
+
+
+def test_weights_only_load_needs_no_optimizer_file(saved):
+    engine, root, tag = saved
+    os.remove(tag / "rank00000.optim.safetensors")
+    assert "rank00000.optim.safetensors" in load_error(root)
+    fresh = zeroshard.initialize(gpt(), CFG)
+    fresh.load_checkpoint(root, load_optimizer_states=False)
+    assert torch.equal(fresh.full_state_dict()["wte.weight"], engine.full_state_dict()["wte.weight"])
+    assert not fresh.optimizer.state
 
 
 def test_incompatible_model_names(saved):

@@ -93,11 +93,12 @@ def test_inspect_cli(saved, capsys):
     _, tmp = saved
     assert main(["inspect", str(tmp / "ck")]) == 0
     out = capsys.readouterr().out
-    for text in ("step 3", "stage 0", "AdamW", "rank00000.safetensors", "ok", "lm_head.weight = wte.weight"):
+    for text in ("step 3", "stage 0", "AdamW", "rank00000.model.safetensors", "rank00000.optim.safetensors",
+                 "ok", "lm_head.weight = wte.weight"):
         assert text in out, text
     assert main(["inspect", str(tmp / "ck"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"]
-    rank_file = tmp / "ck" / "global_step3" / "rank00000.safetensors"
+    rank_file = tmp / "ck" / "global_step3" / "rank00000.model.safetensors"
     data = bytearray(rank_file.read_bytes())
     data[-8] ^= 0xFF
     rank_file.write_bytes(bytes(data))

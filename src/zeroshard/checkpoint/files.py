@@ -134,10 +134,16 @@ def write_error(path: str, exc: OSError) -> CheckpointError:
 
 
 def sha256_of(path: str) -> str:
+    """sha256 of a file, hashing each chunk on a helper thread while the next one is read."""
     sha = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="zeroshard-sha256") as hasher:
+        pending = None
         while block := f.read(CHUNK):
-            sha.update(block)
+            if pending is not None:
+                pending.result()
+            pending = hasher.submit(sha.update, block)
+        if pending is not None:
+            pending.result()
     return sha.hexdigest()
 
 

@@ -35,7 +35,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         check_model(reader, engine)
         if load_optimizer_states:
             check_optimizer(reader, engine)
-        files = sorted(reader.files)
+        files = sorted(f for f in reader.files if load_optimizer_states or ".optim." not in f)
         reader.verify(files[engine.rank :: engine.world_size])  # each file hashed by one rank
     except BaseException as exc:
         error = exc

@@ -140,7 +140,7 @@ class CheckpointReader:
                                       f"(saved: {', '.join(bucket.fields)})")
             return self._read_bucket(bucket, slot.offset + lo, slot.offset + hi, field)
         if name in self.tensors and field == "value":
-            return self._get(rank_file(0), module_key(name)).reshape(-1)[lo:hi]
+            return self._get(rank_file(0, "value"), module_key(name)).reshape(-1)[lo:hi]
         raise CheckpointError(f"{self.meta_path}: {name!r} has no saved {field!r} (it is not a trainable "
                               "parameter in the checkpoint)" if name in self.tensors else
                               f"{self.meta_path}: no tensor named {name!r}")
@@ -149,21 +149,21 @@ class CheckpointReader:
         """The per-shard scalar `field` of every shard holding part of `name`."""
         bucket, slot = self.where[self.canonical(name)]
         runs = list(bucket.pieces(slot.offset, slot.end)) or [(slot.offset // bucket.shard_numel, 0, 0)]
-        return [self._get(rank_file(bucket.holders[s]), bucket_key(bucket.index, field)) for s, _, _ in runs]
+        return [self._get(rank_file(bucket.holders[s], field), bucket_key(bucket.index, field)) for s, _, _ in runs]
 
     def any_scalar(self, group: int, field: str) -> torch.Tensor | None:
         """A scalar `field` from some shard of param group `group` (for a shard of pure padding)."""
         for b in sorted(self.buckets, key=lambda b: b.group != group):
             if field in b.fields:
-                return self._get(rank_file(b.holders[0]), bucket_key(b.index, field))
+                return self._get(rank_file(b.holders[0], field), bucket_key(b.index, field))
         return None
 
     def shard(self, bucket: int, shard: int, field: str) -> torch.Tensor:
         b = self.buckets[bucket]
-        return self._get(rank_file(b.holders[shard]), bucket_key(b.index, field))
+        return self._get(rank_file(b.holders[shard], field), bucket_key(b.index, field))
 
     def json_states(self, bucket: int, shard: int) -> dict[str, Any]:
-        f = self._file(rank_file(self.buckets[bucket].holders[shard]))
+        f = self._file(rank_file(self.buckets[bucket].holders[shard], "optim"))
         return json.loads((f.metadata() or {}).get("json_states", "{}")).get(f"bucket{bucket}", {})
 
     def _read_bucket(self, bucket: BucketRecord, lo: int, hi: int, field: str) -> torch.Tensor:
@@ -172,11 +172,11 @@ class CheckpointReader:
         if len(runs) == 1:  # the common case: no copy beyond the read itself
             s, a, b = runs[0]
             base = s * bucket.shard_numel
-            return self._slice(rank_file(bucket.holders[s]), key, a - base, b - base)
+            return self._slice(rank_file(bucket.holders[s], field), key, a - base, b - base)
         parts = []
         for s, a, b in runs:
             base = s * bucket.shard_numel
-            parts.append(self._slice(rank_file(bucket.holders[s]), key, a - base, b - base))
+            parts.append(self._slice(rank_file(bucket.holders[s], field), key, a - base, b - base))
         if not parts:
             return torch.empty(0, dtype=torch.float32)
         return torch.cat(parts)

@@ -3,7 +3,8 @@
 Crash safety comes from the order of durable steps:
 
 1. rank 0 makes `save_dir/.tmp-<tag>/` (removing leftovers of killed saves);
-2. every rank writes and fsyncs `rank<r>.safetensors` there, hashing it as it goes;
+2. every rank writes and fsyncs its `rank<r>.model.safetensors` and `rank<r>.optim.safetensors`
+   there, hashing them as it goes;
 3. rank 0 writes `meta.json` (layout, sizes and sha256 of every rank file) and fsyncs it;
 4. rank 0 renames the directory to `save_dir/<tag>` and fsyncs `save_dir`;
 5. rank 0 replaces `latest` atomically, then prunes old tags (`keep_last`).
@@ -77,12 +78,16 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     record: dict[str, Any] = {}
     try:
         part = rank_file(engine, table, pause)
-        name = rank_file_name(engine.rank)
-        metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(engine.rank),
-                    "json_states": dumps(part.json_states).decode()}
-        written = write_safetensors(os.path.join(tmp, name), part.entries, metadata)
-        record = {"error": None, "file": name, "bytes": written.bytes, "sha256": written.sha256,
-                  "shards": part.shards, "state_kinds": part.state_kinds, "rng": rng.capture()}
+        files = {}
+        for entries, field in ((part.entries, "value"), (part.optim_entries, "optim")):
+            name = rank_file_name(engine.rank, field)
+            metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(engine.rank)}
+            if field == "optim":
+                metadata["json_states"] = dumps(part.json_states).decode()
+            written = write_safetensors(os.path.join(tmp, name), entries, metadata)
+            files[name] = {"rank": engine.rank, "bytes": written.bytes, "sha256": written.sha256}
+        record = {"error": None, "files": files, "shards": part.shards, "state_kinds": part.state_kinds,
+                  "rng": rng.capture()}
     except BaseException as exc:
         error, record = exc, {"error": str(exc)}
     records = all_records(engine.comm, record, device)
@@ -148,8 +153,7 @@ def _meta(engine, tag: str, table, part, records: list[dict[str, Any]], client) 
         "model_class": type(engine.module).__name__,
         "model_config": model_config(engine.module),
         "client_state": client,
-        "files": {rec["file"]: {"rank": r, "bytes": rec["bytes"], "sha256": rec["sha256"]}
-                  for r, rec in enumerate(records)},
+        "files": {name: info for rec in records for name, info in rec["files"].items()},
         "rng": [rec["rng"] for rec in records],
     }
 

@@ -77,9 +77,11 @@ def model_config(module: torch.nn.Module) -> dict[str, Any] | None:
 
 @dataclass
 class RankFile:
-    """The entries one rank writes, the buckets' records, and the optimizer state kinds."""
+    """The entries one rank writes (values, optimizer states), the buckets' records, and the
+    optimizer state kinds."""
 
     entries: list[Entry]
+    optim_entries: list[Entry]
     buckets: list[BucketRecord]
     shards: list[list[int]]  # [bucket, shard] pairs this rank wrote
     state_kinds: dict[str, str]
@@ -97,6 +99,7 @@ def rank_file(engine, table: NameTable, pause: Callable[[str], None]) -> RankFil
                                       f"({kinds[name]} and {kind}); it cannot be checkpointed")
     fields = ("master",) + tuple(f"optim.{n}" for n, k in kinds.items() if k != JSON)
     entries: list[Entry] = []
+    optim_entries: list[Entry] = []
     shards: list[list[int]] = []
     json_states: dict[str, dict[str, Any]] = {}
     records = [bucket_record(bucket, fields) for bucket in engine.buckets]
@@ -112,13 +115,13 @@ def rank_file(engine, table: NameTable, pause: Callable[[str], None]) -> RankFil
             if kind == JSON:
                 json_states.setdefault(f"bucket{b}", {})[name] = json_safe(state[name], f"optimizer state {name!r}")
             else:
-                entries.append(_entry(bucket_key(b, f"optim.{name}"), state[name]))
+                optim_entries.append(_entry(bucket_key(b, f"optim.{name}"), state[name]))
     if engine.rank == 0:
         entries += [_entry(module_key(name), t) for name, t in table.module_entries]
     if entries:
         middle = len(entries) // 2
         entries[middle] = _paused(entries[middle], pause)
-    return RankFile(entries, records, shards, kinds, json_states)
+    return RankFile(entries, optim_entries, records, shards, kinds, json_states)
 
 
 def _entry(key: str, t: torch.Tensor) -> Entry:
