@@ -57,3 +57,34 @@ class OutsideReadGPT(GPT):
     def forward(self, idx, targets=None):
         logits, loss = super().forward(idx, targets)
         return logits, loss + 1e-3 * self.h[0].mlp.c_proj.weight.square().sum()
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen base weight plus a trainable low-rank update (LoRA). In backward the LoRA
+    branch (built later in forward) runs before the frozen product: a unit released when
+    its trainable gradients are done would hand the frozen product a released weight."""
+
+    def __init__(self, d: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(rank, d) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(d, rank) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+
+class LoRAStack(torch.nn.Module):
+    def __init__(self, d_in: int = 16, d: int = 32, d_out: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(d_in, d)
+        self.layers = torch.nn.ModuleList(LoRALinear(d) for _ in range(layers))
+        self.out = torch.nn.Linear(d, d_out)
+
+    def forward(self, x, y=None):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        out = self.out(h)
+        return out, F.mse_loss(out, y)

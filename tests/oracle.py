@@ -60,6 +60,10 @@ def make_model(case: Case) -> torch.nn.Module:
         return {"ckpt-reentrant": lambda: models3.CheckpointedGPT(True),
                 "ckpt-nonreentrant": lambda: models3.CheckpointedGPT(False),
                 "skip": models3.SkippingGPT, "outside": models3.OutsideReadGPT}[kind]()
+    if case.model == "lora":
+        import models3
+
+        return models3.LoRAStack()
     return FrozenMLP(d_in=16, d_hidden=32, d_out=8, n_layers=4, frozen=(0, 2))
 
 
@@ -104,7 +108,7 @@ def config_for(case: Case, world_size: int) -> dict[str, Any]:
         "zero_optimization": zero,
     }
     if case.stage == 3:  # gather units: the transformer blocks, unless the case says otherwise
-        block = {"hf-gpt2": "GPT2Block", "hf-llama": "LlamaDecoderLayer"}.get(case.model, "Block")
+        block = {"hf-gpt2": "GPT2Block", "hf-llama": "LlamaDecoderLayer", "lora": "LoRALinear"}.get(case.model, "Block")
         cfg["zeroshard"] = {"stage3_unit_classes": [block]}
     for key, value in extra.items():
         cfg.setdefault("zeroshard", {})[key.split(".", 1)[1]] = list(value) if isinstance(value, tuple) else value

@@ -35,6 +35,8 @@ CASES = [
     Case(model="hf-gpt2", stage=3, optimizer="adamw", gas=2, zero=SMALL_WHOLE),
     Case(model="hf-llama", stage=3, optimizer="sgd", zero=NO_REUSE),
     Case(model="hf-llama", stage=3, optimizer="adamw", zero=SMALL_WHOLE),
+    Case(model="lora", stage=3, optimizer="sgd", zero=NO_REUSE),
+    Case(model="lora", stage=3, optimizer="adamw", gas=2, zero=NO_REUSE + NO_PREFETCH),
     Case(model="mlp", stage=3, optimizer="sgd", zero=NO_REUSE + (("zeroshard.stage3_unit_classes", ("Linear",)),)),
 ]
 

@@ -115,7 +115,6 @@ class Engine:
         self.units = s3.units
         self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory)
         runtime = make_runtime(s3, self.comm, self.memory, self.settings)
-        self.grads.on_bucket_launched = runtime.on_bucket_reduced
         publisher = ParamPublisher(self.buckets, self.comm, self.memory, self.settings.zero.allgather_bucket_size)
         self.params = PartitionedParams(runtime, publisher, s3.persistent)
         return masters

@@ -113,8 +113,6 @@ class BucketedGradients:
                 self._launch(b)
         return on_grad
 
-    on_bucket_launched = None  # optional callback(bucket): stage 3 releases a finished unit
-
     def _launch(self, b: int) -> None:
         self._state.launched[b] = True
         full = self._full_grad(b)
@@ -132,8 +130,6 @@ class BucketedGradients:
             self._after_reduce(b, full)
 
         self._pending.append(_Pending(b, handle, finish))
-        if self.on_bucket_launched is not None:
-            self.on_bucket_launched(self.buckets[b])
         while len(self._pending) > self._max_in_flight():
             self._retire(self._pending.pop(0))
 

@@ -9,8 +9,8 @@ its active users. Hooks are registered here and only here, and their handles kep
   releases it unless it is reused soon (`max_reuse_distance`) and memory allows
   (`max_live_parameters`), and registers a hook on its outputs that gathers it again
   when backward reaches them.
-- backward: the unit is released as soon as all its gradients have been reduced
-  (`on_bucket_reduced`), or at the end of backward. A forward that runs *during*
+- backward: the unit is released once the gradients w.r.t. its inputs exist (an identity
+  autograd Function on the inputs tells), or at the end of backward. A forward that runs *during*
   backward is an activation-checkpoint recompute: it gathers but never releases.
 - order: the first step records the sequence of gathers; later steps prefetch along it.
   A step whose sequence differs (control flow changed) stops prefetching for the rest
@@ -75,13 +75,11 @@ class Stage3Runtime:
         self._recording: list[int] = []
         self._on_trace = False  # the step so far follows the record: prefetch is safe
         self._backward_pending = False  # a forward with grad ran; its backward has not
-        self._done_buckets: set[int] = set()
         self._hooks = []
         for unit in units:
             self._register(unit.module, unit)
             for module in external_users.get(unit.index, []):
                 self._register(module, unit)
-        self._unit_of_bucket = {id(b): u for u in units for b in u.buckets}
         self._unit_of_param = {id(p): u for u in units for b in u.buckets for p in b.params}
         self._active: list[nn.Module] = []  # modules in forward, innermost last
         self._pinned: set[int] = set()  # units adopted by an outside read: kept until the pass ends
@@ -122,7 +120,6 @@ class Stage3Runtime:
                 log.info("stage 3: execution order changed; re-recorded (%d gathers)", len(self._recording))
             self._trace = self._recording
         self._recording = []
-        self._done_buckets.clear()
         self._backward_pending = False
         self.phase = Phase.IDLE
 
@@ -215,13 +212,29 @@ class Stage3Runtime:
 
     # -- hooks ------------------------------------------------------------------------------
     def _register(self, module: nn.Module, unit: Unit) -> None:
-        self._hooks.append(module.register_forward_pre_hook(lambda m, args: self._pre_forward(m, unit)))
+        self._hooks.append(module.register_forward_pre_hook(
+            lambda m, args, kwargs: self._pre_forward(m, unit, args, kwargs), with_kwargs=True))
         self._hooks.append(module.register_forward_hook(lambda m, args, out: self._post_forward(m, unit, out)))
 
-    def _pre_forward(self, module: nn.Module, unit: Unit) -> None:
+    def _pre_forward(self, module: nn.Module, unit: Unit, args, kwargs):
         self._active.append(module)
         unit.users += 1
         self._use(unit)
+        if not torch.is_grad_enabled():
+            return None
+        # route the inputs through _PostBackward, so the end of this unit's backward is seen
+        flat = [(i, None, a) for i, a in enumerate(args)] + [(None, k, v) for k, v in kwargs.items()]
+        needs = [(i, k, t) for i, k, t in flat if torch.is_tensor(t) and t.requires_grad]
+        if not needs:
+            return None
+        wrapped = _PostBackward.apply(self, unit, *(t for _, _, t in needs))
+        args, kwargs = list(args), dict(kwargs)
+        for (i, k, _), t in zip(needs, wrapped):
+            if k is None:
+                args[i] = t
+            else:
+                kwargs[k] = t
+        return tuple(args), kwargs
 
     def adopt(self, param: nn.Parameter) -> None:
         """`param` is read while its unit is released, inside the forward of the innermost
@@ -277,18 +290,25 @@ class Stage3Runtime:
             return
         self._use(unit)
 
-    def on_bucket_reduced(self, bucket) -> None:
-        """Called by the gradient strategy when a bucket's reduce-scatter was launched: once
-        all of a unit's trainable buckets are, its backward is over and it can go."""
-        unit = self._unit_of_bucket.get(id(bucket))
-        if unit is None or self.phase is not Phase.BACKWARD or unit.users:
-            return
-        self._done_buckets.add(id(bucket))
-        trainable = [b for b in unit.buckets if b.params[0].requires_grad]
-        if all(id(b) in self._done_buckets for b in trainable):
+    def _post_backward(self, unit: Unit) -> None:
+        """Gradients w.r.t. the unit's inputs are computed: its backward is over. (A unit whose
+        inputs need no gradient, e.g. the embeddings, is released when backward ends.)"""
+        if self.phase is Phase.BACKWARD and unit.users == 0:
             self._release(unit)
-            for b in trainable:
-                self._done_buckets.discard(id(b))
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradients are complete."""
+
+    @staticmethod
+    def forward(ctx, runtime, unit, *tensors):
+        ctx.runtime, ctx.unit = runtime, unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runtime._post_backward(ctx.unit)
+        return (None, None, *grads)
 
 
 _ACCESSORS = {"__get__", "__set__", "__delete__"}
