@@ -92,15 +92,18 @@ def check_optimizer(reader: CheckpointReader, engine) -> None:
 # -- tensors ------------------------------------------------------------------------------------------
 def _fill(target: torch.Tensor, bucket, reader: CheckpointReader, field: str) -> None:
     """Write `field` of every parameter overlapping this rank's shard of `bucket` into
-    `target` (the shard, flat); padding is left as zeros."""
-    lo, _ = bucket.shard_range
-    target.zero_()
+    `target` (the shard, flat); the gaps (padding) become zeros."""
+    lo, hi = bucket.shard_range
+    done = lo
     for slot in bucket.slots:
         part = bucket.layout.slot_in_shard(slot, bucket.shard_index)
         if part is None:
             continue
         a, b = part
+        target[done - lo : a - lo].zero_()
         target[a - lo : b - lo].copy_(reader.read(slot.name, field, a - slot.offset, b - slot.offset))
+        done = b
+    target[done - lo :].zero_()
 
 
 def load_masters(reader: CheckpointReader, engine) -> None:
