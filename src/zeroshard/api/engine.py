@@ -80,6 +80,7 @@ class Engine:
         self._warned_no_sync = False
         self._timers: dict[str, float] = defaultdict(float)
         self.comm.where = "step 0"
+        self.memory.reset_peaks()  # peaks count from training on; building is a one-off
         register_engine(self)
         if topology.rank == 0:
             for line in startup_banner(self, parts):

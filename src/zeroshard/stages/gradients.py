@@ -282,6 +282,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
             self.shards.append(shard)
             self.memory.hold("grads", f"{bucket.key}.shard", shard.numel() * shard.element_size())
         self._full: dict[int, torch.Tensor] = {}
+        self._written: dict[int, set[int]] = {}  # slots of each in-flight buffer already holding a gradient
 
     def _reduces(self, boundary: bool) -> bool:
         return True
@@ -296,29 +297,44 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         super().begin_backward(boundary, first_micro)
 
     def _buffer(self, b: int) -> torch.Tensor:
+        """The bucket's full gradient buffer, uninitialised: each slot is copied on its first
+        gradient, and what no gradient reached is zeroed at launch (no full zero-fill)."""
         if b not in self._full:
-            self._full[b] = self.buckets[b].zeros_like_data()
+            self._full[b] = torch.empty(self.buckets[b].layout.padded_numel, dtype=self.buckets[b].dtype,
+                                        device=self.buckets[b].device)
+            self._written[b] = set()
             nbytes = self._full[b].numel() * self._full[b].element_size()
             self.memory.hold("grads", f"{self.buckets[b].key}.full", nbytes)
         return self._full[b]
+
+    def _put(self, b: int, s: int, grad: torch.Tensor) -> None:
+        slot = self.buckets[b].slots[s]
+        view = self._buffer(b)[slot.offset : slot.end].view(slot.shape)
+        if s in self._written[b]:
+            view.add_(grad)  # a second gradient for the slot in the same backward
+        else:
+            view.copy_(grad)
+            self._written[b].add(s)
 
     def _arrive(self, b: int, s: int, param: nn.Parameter) -> None:
         if not self.contiguous:
             key = f"{self.buckets[b].key}.{s}"
             self.memory.hold("grads", key, param.grad.numel() * param.grad.element_size())
             return
-        slot = self.buckets[b].slots[s]
-        self._buffer(b)[slot.offset : slot.end].view(slot.shape).add_(param.grad)
+        self._put(b, s, param.grad)
         param.grad = None
 
     def _full_grad(self, b: int) -> torch.Tensor:
+        bucket = self.buckets[b]
         full = self._buffer(b)
-        if not self.contiguous:
-            for s, (slot, p) in enumerate(zip(self.buckets[b].slots, self.buckets[b].params)):
-                if p.grad is not None:
-                    full[slot.offset : slot.end].view(slot.shape).add_(p.grad)
-                    p.grad = None
-                self.memory.release("grads", f"{self.buckets[b].key}.{s}")
+        for s, (slot, p) in enumerate(zip(bucket.slots, bucket.params)):
+            if not self.contiguous and p.grad is not None:
+                self._put(b, s, p.grad)
+                p.grad = None
+                self.memory.release("grads", f"{bucket.key}.{s}")
+            if s not in self._written[b]:  # no gradient this micro-step (unused): zero
+                full[slot.offset : slot.end].zero_()
+        full[bucket.layout.numel :].zero_()  # padding
         return full
 
     def _after_reduce(self, b: int, full: torch.Tensor) -> None:
