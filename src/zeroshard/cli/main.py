@@ -11,13 +11,13 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("train", "estimate", "plan", "export", "inspect")
+COMMANDS = ("train", "launch", "estimate", "plan", "export", "inspect")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeroshard",
-        description="ZeRO training for PyTorch: train, estimate memory/communication, plan a config.",
+        description="ZeRO training for PyTorch: train, launch your script, estimate memory/communication, plan a config.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:

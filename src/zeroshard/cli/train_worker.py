@@ -1,137 +1,133 @@
-"""One rank of `zeroshard train` (started by torchrun): real training, a live progress
-bar and a closing summary of what ZeRO saved and what it cost, from the ledgers."""
+"""One rank of `zeroshard train` (started by torchrun): build the model, train it under the
+engine, checkpoint when asked, and (rank 0) show progress, a summary and the PNG report.
+
+Run directly under your own torchrun, on one node or many:
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \
+        -m zeroshard.cli.train_worker --model small --steps 1000
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 import zeroshard
-from zeroshard.comm import PAPER_FACTOR
-from zeroshard.models import batch_iterator, build_gpt, num_parameters
-from zeroshard.models.corpus import stdlib_corpus
+from zeroshard.cli.train_config import DEFAULT_STEPS_PER_PRINT, build_config
+from zeroshard.cli.train_data import NoTextError, load_tokens, rank_batch
+from zeroshard.cli.train_model import ModelSpecError, TrainModel, build_model
+from zeroshard.cli.train_report import RunRecord, gather_memory, make_progress, memory_line, summary_table, \
+    write_report
 from zeroshard.policies import ZeroShardError
-
-
-def default_config(steps: int) -> dict:
-    """The embedded config: stage 2, AdamW with warmup + cosine decay, clipping at 1.0."""
-    return {
-        "train_micro_batch_size_per_gpu": 8,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 50,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupCosineLR",
-                      "params": {"total_num_steps": steps, "warmup_num_steps": max(2, steps // 10)}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 200_000, "allgather_bucket_size": 200_000},
-    }
-
-
-def build_config(args: argparse.Namespace) -> dict:
-    if args.config:
-        try:
-            with open(args.config) as fh:
-                cfg = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise zeroshard.ConfigError(f"{args.config}: not valid JSON at line {exc.lineno}, column "
-                                        f"{exc.colno}: {exc.msg}") from None
-        except OSError as exc:
-            raise zeroshard.ConfigError(f"cannot read config {args.config}: {exc.strerror}") from None
-    else:
-        cfg = default_config(args.steps)
-        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
-    cfg.setdefault("zero_optimization", {})
-    if args.stage is not None:
-        cfg["zero_optimization"]["stage"] = args.stage
-    if args.bf16:
-        cfg["bf16"] = {"enabled": True}
-    return cfg
 
 
 def train(args: argparse.Namespace) -> int:
     console = Console(stderr=False)
     try:
         return _train(args, console)
-    except ZeroShardError as exc:
-        print(f"zeroshard train: {exc}", file=sys.stderr)
+    except (ZeroShardError, ModelSpecError, NoTextError) as exc:
+        rank = os.environ.get("RANK", "0")
+        print(f"zeroshard train{'' if rank == '0' else f' (rank {rank})'}: {exc}", file=sys.stderr)
         return 2
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
     torch.manual_seed(args.seed)
-    model = build_gpt(args.model)
-    if args.seq_len > model.config.block_size:
-        raise zeroshard.ConfigError(f"--seq-len {args.seq_len} exceeds the {args.model} model's context "
-                                    f"({model.config.block_size})")
-    engine = zeroshard.initialize(model, build_config(args))
-    rank, world = engine.rank, engine.world_size
+    tm = build_model(args.model, args.lora)
+    if tm.context is not None and args.seq_len > tm.context:
+        raise zeroshard.ConfigError(f"--seq-len {args.seq_len} exceeds the model's context ({tm.context})")
+    cfg = build_config(args, tm.unit_classes)
+    # this command prints its own per-rank line in place of the engine's rank-0 line
+    every = cfg.pop("steps_per_print", None)
+    every = DEFAULT_STEPS_PER_PRINT if every is None else every
+    engine = zeroshard.initialize(tm.module, cfg)
+    tokens = load_tokens(args.data, tm.vocab_size)
+    rec = _record(engine, tm)
+    if args.resume:
+        client = engine.load_checkpoint(args.save)
+        done = int(client.get("step", engine.global_steps))
+        rec.losses = [float(v) for v in client.get("losses", [])][-done:] if done else []
+        rec.first_step = done - len(rec.losses)  # the curve starts where the recorded losses start
+        if engine.rank == 0:
+            console.print(f"resumed at step {done} from {args.save}", highlight=False)
+    start = rec.first_step + len(rec.losses)
+    _loop(engine, tm, tokens, rec, args, start, every, console)
+    per_rank = gather_memory(engine)
+    shards = engine.world_size if rec.stage > 0 else 1
+    if engine.rank == 0:
+        console.print(summary_table(rec, per_rank, shards))
+        if args.report:
+            console.print(f"report: {write_report(args.report, rec, per_rank, shards)}")
+    engine.close()
+    return _verdict(rec, console if engine.rank == 0 else None)
+
+
+def _record(engine, tm: TrainModel) -> RunRecord:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    tokens = stdlib_corpus() % model.config.vocab_size  # bytes folded into small vocabularies
-    batches = batch_iterator(tokens, micro, args.seq_len, rank, world, seed=args.seed)
-    phi = num_parameters(model, trainable_only=True)
-    losses: list[float] = []
-    step_comm: dict = {}
-    progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                        TextColumn("loss {task.fields[loss]:.3f}  {task.fields[tps]:,.0f} tok/s"),
-                        TimeRemainingColumn(), console=console, disable=rank != 0)
+    params = {id(p): p for p in tm.module.parameters()}.values()
+    rec = RunRecord(label=tm.label, stage=int(engine.settings.zero.stage), world=engine.world_size,
+                    backend=engine.topology.backend, phi=sum(p.numel() for p in params),
+                    trainable=sum(p.numel() for p in params if p.requires_grad),
+                    itemsize=engine.compute_dtype.itemsize, skipped=0)
+    rec.tokens_per_step = micro * gas * engine.world_size  # times seq_len, set by the loop
+    return rec
+
+
+def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, every: int, console) -> None:
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    rec.tokens_per_step *= args.seq_len
+    progress = make_progress(console, args.steps, disable=engine.rank != 0)
     started = time.perf_counter()
     with progress:
-        task = progress.add_task("train", total=args.steps, loss=math.nan, tps=0.0)
-        for step in range(args.steps):
+        task = progress.add_task("train", total=args.steps, completed=start, loss=math.nan, tps=0.0)
+        for step in range(start, args.steps):
             engine.reset_comm_stats()
             total = 0.0
-            for _ in range(gas):
-                x, y = next(batches)
-                loss = engine(x, y)[1]
+            for m in range(gas):
+                x, y = rank_batch(tokens, micro, args.seq_len, step * gas + m, engine.rank, engine.world_size,
+                                  args.seed)
+                x, y = x.to(engine.device), y.to(engine.device)
+                loss = tm.loss(engine, x, y)
                 engine.backward(loss)
                 engine.step()
                 total += loss.item() / gas
-            losses.append(total)
-            step_comm = engine.comm_stats()
-            elapsed = time.perf_counter() - started
-            tps = (step + 1) * gas * micro * args.seq_len * world / elapsed
-            progress.update(task, advance=1, loss=total, tps=tps)
-    elapsed = time.perf_counter() - started
-    if rank == 0:
-        _summary(console, engine, phi, losses, step_comm, elapsed, args, world, micro * gas)
-    first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
-    engine.close()
-    return 0 if last < first else 1
+            rec.losses.append(total)
+            rec.last_comm = engine.comm_stats()  # read before the memory gather adds to the ledger
+            rec.seconds = time.perf_counter() - started
+            done = step + 1 - start
+            progress.update(task, advance=1, loss=total, tps=done * rec.tokens_per_step / rec.seconds)
+            if every and (step + 1) % every == 0:
+                per_rank = gather_memory(engine)  # a collective: every rank takes part
+                if engine.rank == 0:
+                    line = memory_line(step + 1, args.steps, total, engine, per_rank, rec.last_comm, rec.phi)
+                    progress.console.print(line, highlight=False, soft_wrap=True)
+            if args.save and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+                path = engine.save_checkpoint(args.save, client_state={
+                    "step": step + 1, "losses": rec.losses, "model": args.model, "lora": args.lora})
+                if engine.rank == 0:
+                    progress.console.print(f"checkpoint: {path}", highlight=False)
+    rec.seconds = time.perf_counter() - started
+    rec.steps_run = args.steps - start
+    rec.skipped = engine.skipped_steps
 
 
-def _summary(console, engine, phi, losses, comm, elapsed, args, world, samples) -> None:
-    mem = engine.memory_stats()
-    held = mem["params"] + mem["grads"] + mem["optimizer_states"]
-    itemsize = engine.buckets[0].data.element_size() if engine.buckets else 4
-    shards = world if int(engine.settings.zero.stage) > 0 else 1
-    plain_dp = 2 * itemsize * phi + mem["optimizer_states"] * shards
-    paper = sum(PAPER_FACTOR[op] * s["elements"] for op, s in comm.items() if op != "broadcast")
-    table = Table(title="zeroshard train: summary", show_header=False)
-    for k, v in [
-        ("ZeRO stage / ranks", f"{int(engine.settings.zero.stage)} / {world} ({engine.topology.backend})"),
-        ("model", f"GPT {args.model}, Phi = {phi:,} trainable parameters"),
-        ("loss", f"{sum(losses[:10]) / len(losses[:10]):.3f} (first 10 steps) -> "
-                 f"{sum(losses[-10:]) / len(losses[-10:]):.3f} (last 10)"),
-        ("model states per rank", f"{held / 2**20:.2f} MiB vs plain DP {plain_dp / 2**20:.2f} MiB "
-                                  f"({held / plain_dp:.2f}x)"),
-        ("  of which", f"params {mem['params'] / 2**20:.2f}, grads {mem['grads'] / 2**20:.2f}, "
-                       f"optimizer {mem['optimizer_states'] / 2**20:.2f} MiB"),
-        ("communication per step", f"{paper / phi:.3f} x Phi (paper units) vs plain DP 2 x Phi"),
-        ("throughput", f"{len(losses) * samples * args.seq_len * world / elapsed:,.0f} tokens/s, "
-                       f"{elapsed:.1f} s for {len(losses)} steps"),
-        ("skipped steps", str(engine.skipped_steps)),
-    ]:
-        table.add_row(k, v)
-    console.print(table)
+def _verdict(rec: RunRecord, console) -> int:
+    """1 when the loss became non-finite; a warning (exit 0) when it merely did not fall."""
+    losses = rec.losses
+    if not all(math.isfinite(v) for v in losses):
+        if console:
+            console.print("[red]the loss became non-finite[/red]")
+        return 1
+    k = max(1, min(10, len(losses) // 2))
+    if len(losses) >= 2 and sum(losses[-k:]) >= sum(losses[:k]) and console:
+        console.print("[yellow]warning: the loss did not fall; try more --steps or a different lr[/yellow]")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

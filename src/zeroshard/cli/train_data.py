@@ -1,0 +1,37 @@
+"""`zeroshard train --data`: the token stream (bytes of the embedded corpus or of the user's
+text) and each rank's slice of every global batch, indexed by micro-step so a resumed run
+sees exactly the batches the uninterrupted run would have."""
+
+from __future__ import annotations
+
+import torch
+
+from zeroshard.models import global_batch
+from zeroshard.models.corpus import stdlib_corpus
+from zeroshard.models.text import NoTextError, text_tokens
+
+__all__ = ["NoTextError", "check_data", "load_tokens", "rank_batch"]
+
+
+def load_tokens(data: str | None, vocab_size: int) -> torch.Tensor:
+    """Byte tokens of `data` (file or folder of text) or of the stdlib's source; bytes are
+    folded into vocabularies smaller than 256 (the tiny preset has 64)."""
+    tokens = text_tokens(data) if data else stdlib_corpus()
+    return tokens % vocab_size if vocab_size < 256 else tokens
+
+
+def check_data(data: str | None) -> str | None:
+    if not data:
+        return None
+    try:
+        text_tokens(data, max_bytes=1 << 20)
+    except NoTextError as exc:
+        return str(exc)
+    return None
+
+
+def rank_batch(tokens: torch.Tensor, micro: int, seq_len: int, index: int, rank: int, world: int,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows of global micro-batch number `index` (see zeroshard.models.data)."""
+    x, y = global_batch(tokens, micro, seq_len, index, world, seed)
+    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]

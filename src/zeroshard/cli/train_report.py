@@ -1,0 +1,153 @@
+"""What `zeroshard train` shows: the progress bar, a per-rank line every `steps_per_print`
+steps, the closing summary table and the PNG report, all read from the engine's ledgers.
+
+Per-rank numbers travel through the engine's own comm layer (one small all-gather), so
+they are collectives like any other: every rank calls `gather_memory` at the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from zeroshard.comm import PAPER_FACTOR
+
+__all__ = ["MEMORY_KINDS", "RunRecord", "gather_memory", "make_progress", "memory_line", "paper_elements",
+           "summary_table", "write_report"]
+
+MEMORY_KINDS = ("params", "grads", "optimizer_states", "comm_buffers")
+_SHORT = {"params": "params", "grads": "grads", "optimizer_states": "optim", "comm_buffers": "comm"}
+MiB = 2**20
+
+
+@dataclass
+class RunRecord:
+    """What the run measured, for the summary and the report (rank 0)."""
+    label: str
+    stage: int
+    world: int
+    backend: str
+    phi: int  # all parameters
+    trainable: int
+    itemsize: int  # bytes per parameter in the compute dtype
+    losses: list[float] = field(default_factory=list)
+    first_step: int = 0  # > 0 after --resume
+    tokens_per_step: int = 0
+    seconds: float = 0.0  # of this run's steps
+    steps_run: int = 0  # this run's steps (fewer than len(losses) after --resume)
+    skipped: int = 0
+    last_comm: dict = field(default_factory=dict)  # comm_stats() of the last step
+
+
+def make_progress(console: Console, total: int, disable: bool) -> Progress:
+    return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                    TextColumn("loss {task.fields[loss]:.3f}  {task.fields[tps]:,.0f} tok/s"),
+                    TimeRemainingColumn(), console=console, disable=disable)
+
+
+def gather_memory(engine) -> list[dict[str, int]]:
+    """Every rank's memory_stats() (now and peak, by category), on every rank. A collective."""
+    stats = engine.memory_stats()
+    keys = [*MEMORY_KINDS, *(f"peak_{k}" for k in MEMORY_KINDS)]
+    mine = torch.tensor([int(stats.get(k, 0)) for k in keys], dtype=torch.int64, device=engine.device)
+    everyone = torch.empty(engine.world_size * len(keys), dtype=torch.int64, device=engine.device)
+    engine.comm.all_gather(everyone, mine, what="zeroshard train: per-rank memory").wait()
+    rows = everyone.view(engine.world_size, len(keys)).tolist()
+    return [dict(zip(keys, row)) for row in rows]
+
+
+def paper_elements(comm: dict) -> int:
+    """Communication of one step in the ZeRO paper's units (an all-reduce counts twice)."""
+    return sum(PAPER_FACTOR[op] * s["elements"] for op, s in comm.items() if op != "broadcast")
+
+
+def memory_line(step: int, total: int, loss: float, engine, per_rank: list[dict[str, int]], comm: dict,
+                phi: int) -> str:
+    ranks = "  ".join(
+        f"r{r} " + " ".join(f"{_SHORT[k]} {m[k] / MiB:.2f}" for k in MEMORY_KINDS) for r, m in enumerate(per_rank))
+    ops = ", ".join(f"{op} {s['calls']}x {s['elements']:,}" for op, s in comm.items() if s["calls"])
+    sent = sum(s["sent_bytes"] for s in comm.values()) / MiB
+    lr = ", ".join(f"{v:.3g}" for v in engine.get_lr())
+    norm = engine.get_global_grad_norm()
+    return (f"step {step}/{total} loss {loss:.3f} lr {lr} grad norm {norm if norm is not None else math.nan:.3g} | "
+            f"MiB per rank: {ranks} | last step: {ops} elements = {paper_elements(comm) / phi:.3f} x Phi, "
+            f"rank 0 sent {sent:.2f} MiB")
+
+
+def _plain_dp_bytes(rec: RunRecord, optimizer_bytes_total: int) -> int:
+    """What one rank of plain data parallelism holds: every parameter and every trainable
+    gradient in the compute dtype, and the whole optimizer state."""
+    return rec.itemsize * (rec.phi + rec.trainable) + optimizer_bytes_total
+
+
+def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shards: int) -> Table:
+    mem = per_rank[0]
+    held = sum(mem[k] for k in ("params", "grads", "optimizer_states"))
+    plain = _plain_dp_bytes(rec, mem["optimizer_states"] * optimizer_shards)
+    paper = paper_elements(rec.last_comm)
+    losses = rec.losses
+    k = max(1, min(10, len(losses) // 2))
+    table = Table(title="zeroshard train: summary", show_header=False)
+    rows = [
+        ("ZeRO stage / ranks", f"{rec.stage} / {rec.world} ({rec.backend})"),
+        ("model", f"{rec.label}, Phi = {rec.phi:,}" + ("" if rec.trainable == rec.phi else
+                                                          f" ({rec.trainable:,} trainable)")),
+        ("loss", f"{sum(losses[:k]) / k:.3f} (first {k} steps) -> {sum(losses[-k:]) / k:.3f} (last {k})"),
+        ("model states, rank 0", f"{held / MiB:.2f} MiB vs plain DP {plain / MiB:.2f} MiB ({held / plain:.2f}x)"),
+        ("  at rest", f"params {mem['params'] / MiB:.2f}, grads {mem['grads'] / MiB:.2f}, "
+                      f"optimizer {mem['optimizer_states'] / MiB:.2f} MiB"),
+        ("communication per step", f"{paper / rec.phi:.3f} x Phi (paper units) vs plain DP "
+                                   f"{2 * rec.trainable / rec.phi:.3f} x Phi"),
+        ("throughput", f"{rec.steps_run * rec.tokens_per_step / max(rec.seconds, 1e-9):,.0f} tokens/s, "
+                       f"{rec.seconds:.1f} s for {rec.steps_run} steps"),
+        ("skipped steps", str(rec.skipped)),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def write_report(path: str, rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shards: int) -> str:
+    """A PNG: the loss per step, and each rank's model states by category next to plain DP."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    steps = range(rec.first_step + 1, rec.first_step + len(rec.losses) + 1)
+    ax_loss.plot(list(steps), rec.losses, lw=1.0, color="tab:blue", alpha=0.5, label="loss")
+    if len(rec.losses) >= 10:
+        w = max(5, len(rec.losses) // 20)
+        smooth = torch.tensor(rec.losses).unfold(0, w, 1).mean(1).tolist()
+        ax_loss.plot(list(steps)[w - 1:], smooth, lw=2.0, color="tab:blue", label=f"mean of {w}")
+    ax_loss.set(xlabel="step", ylabel="cross-entropy (nats per byte)", title=f"{rec.label}: loss")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+
+    labels = [f"rank {r}" for r in range(len(per_rank))] + ["plain DP"]
+    plain = {"params": rec.itemsize * rec.phi, "grads": rec.itemsize * rec.trainable,
+             "optimizer_states": per_rank[0]["optimizer_states"] * optimizer_shards, "comm_buffers": 0}
+    columns = [*per_rank, plain]
+    bottom = [0.0] * len(columns)
+    for kind, color in zip(MEMORY_KINDS, ("tab:blue", "tab:orange", "tab:green", "tab:gray")):
+        heights = [c[kind] / MiB for c in columns]
+        ax_mem.bar(labels, heights, bottom=bottom, label=kind.replace("_", " "), color=color)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    extra = [sum(m[f"peak_{k}"] - m[k] for k in MEMORY_KINDS) / MiB for m in per_rank]
+    ax_mem.bar(labels[:-1], extra, bottom=bottom[:-1], label="more at peak (gathered, in flight)",
+               color="none", edgecolor="black", hatch="//")
+    ax_mem.set(ylabel="MiB", title=f"model states per rank (ZeRO stage {rec.stage}, {rec.world} ranks)")
+    ax_mem.legend(fontsize=8)
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,71 @@
+"""User text for `zeroshard train --data PATH`: a file or a folder of text files, at byte level.
+
+Text means UTF-8 without NUL bytes; other files (images, archives, compiled code) in a
+folder are skipped, so pointing at a project folder just works. Bytes are the tokens
+(vocabulary 256), as for the embedded corpus.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["NoTextError", "text_tokens"]
+
+MIN_BYTES = 1024  # below this a sequence window barely fits: nothing to learn from
+_SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", "venv", ".tox"}
+
+
+class NoTextError(ValueError):
+    """The path holds no (or too little) text to train on."""
+
+
+def _is_text(data: bytes) -> bool:
+    if not data or b"\x00" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # a read cut through a multi-byte character at the end is still text
+        return exc.start >= len(data) - 3
+    return True
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        found.extend(os.path.join(dirpath, name) for name in sorted(filenames))
+    return found
+
+
+def text_tokens(path: str | os.PathLike, max_bytes: int = 16_000_000) -> torch.Tensor:
+    """The bytes of the text files at `path` (one file, or a folder walked in sorted order),
+    up to `max_bytes`, as a LongTensor. Raises NoTextError naming the path when none is text."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise NoTextError(f"--data {path}: no such file or folder")
+    chunks: list[bytes] = []
+    total = skipped = 0
+    for name in _files(path):
+        try:
+            with open(name, "rb") as fh:
+                data = fh.read(max_bytes - total)
+        except OSError:
+            skipped += 1
+            continue
+        if not _is_text(data):
+            skipped += 1
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if total < MIN_BYTES:
+        what = "file" if os.path.isfile(path) else f"folder ({len(chunks)} text file(s), {skipped} other)"
+        raise NoTextError(f"--data {path}: found {total} bytes of UTF-8 text in this {what}; "
+                          f"need at least {MIN_BYTES}")
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
