@@ -40,15 +40,15 @@ def test_estimate_memory_matches_paper_without_extras():
         assert m.model_states == model_states_per_device(PHI_PAPER, 64, st)
 
 
-def test_k_counts_the_separate_fp32_master_as_the_engine_does():
+def test_k_counts_the_fp32_master_as_the_engine_does():
     assert optimizer_bytes_per_param("adam", Precision.BF16) == 12
-    # zeroshard (like DeepSpeed) keeps a separate fp32 master also when training in fp32
-    assert optimizer_bytes_per_param("adam", Precision.FP32) == 12
-    assert Strategy(precision="fp32", optimizer="adamw").k == 12
-    # the in-place convention (torch DDP + AdamW), kept for comparisons with other systems
-    assert optimizer_bytes_per_param("adam", Precision.FP32, separate_fp32_master=False) == 8
-    assert Strategy(precision="fp32", separate_fp32_master=False).k == 8
-    assert Strategy(precision="bf16", separate_fp32_master=False).k == 12
+    # in fp32 the engine steps the parameter shard itself: no second copy
+    assert optimizer_bytes_per_param("adam", Precision.FP32) == 8
+    assert Strategy(precision="fp32", optimizer="adamw").k == 8
+    # DeepSpeed's convention (a second fp32 copy also in fp32 training), for comparisons
+    assert optimizer_bytes_per_param("adam", Precision.FP32, separate_fp32_master=True) == 12
+    assert Strategy(precision="fp32", separate_fp32_master=True).k == 12
+    assert Strategy(precision="bf16", separate_fp32_master=True).k == 12
     assert optimizer_bytes_per_param("sgd", Precision.FP16) == 4
     with pytest.raises(ConfigError, match="known"):
         optimizer_bytes_per_param("shampoo", Precision.BF16)

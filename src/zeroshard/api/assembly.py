@@ -46,9 +46,13 @@ def build_buckets(parts: ModelParts, group_of: dict[int, int], bucket_numel: int
     return [FlatBucket(lay, [parts.trainable[s.index] for s in lay.slots], shard_index, memory) for lay in layouts]
 
 
-def take_masters_and_cast(buckets: list[FlatBucket], compute_dtype: torch.dtype) -> list[torch.Tensor]:
+def take_masters_and_cast(buckets: list[FlatBucket], compute_dtype: torch.dtype) -> list[torch.Tensor | None]:
     """fp32 master shards from the full-precision values, then the buckets move to the
-    compute dtype: rounding to 16 bits happens once, in the compute copy only."""
+    compute dtype: rounding to 16 bits happens once, in the compute copy only. In fp32 the
+    shard itself is the master (None here: the optimizer steps the shard in place, as
+    FSDP does; DeepSpeed keeps a second fp32 copy, 4 bytes per parameter / N more)."""
+    if compute_dtype == torch.float32 and all(b.dtype == torch.float32 for b in buckets):
+        return [None] * len(buckets)
     masters = [b.shard().detach().to(torch.float32, copy=True) for b in buckets]
     for b in buckets:
         b.to_dtype(compute_dtype)

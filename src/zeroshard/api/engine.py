@@ -68,8 +68,10 @@ class Engine:
             masters = self._assemble_replicated(parts)
         frozen_whole = [p for p in parts.frozen if not self._partitioned_frozen.get(id(p))]
         self.memory.hold("params", "frozen", sum(p.numel() * p.element_size() for p in frozen_whole))
+        # a sub-group's 16-bit gradients are upcast to fp32 together: at most one bucket's worth
+        sub_group = min(zero.sub_group_size, zero.reduce_bucket_size)
         self.optimizer = ShardedOptimizer(self.buckets, masters, self.plan.build, self.plan.group_options,
-                                          self.memory, zero.sub_group_size)
+                                          self.memory, sub_group)
         self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
         self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)
 
@@ -307,7 +309,8 @@ class Engine:
         """Write every fp32 master shard into its bucket (in the compute dtype) and publish
         it to all ranks, as after an optimizer step. For checkpoint loading and user edits."""
         for b, (bucket, master) in enumerate(zip(self.buckets, self.optimizer.masters)):
-            bucket.shard().copy_(master)
+            if master.data_ptr() != bucket.shard().data_ptr():
+                bucket.shard().copy_(master)
             self.params.publish(b)
         self.params.wait()
 

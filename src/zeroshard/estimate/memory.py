@@ -8,10 +8,10 @@ Model states follow Rajbhandari et al. 2019 ("ZeRO", sec. 3.1 and Table 1): with
 
 for 16-bit parameters and gradients. K counts the fp32 master copy (4) plus the
 optimizer's own states (Adam: 4 + 4), so Adam has K = 12 (the paper's value for mixed
-precision). zeroshard's engine, like DeepSpeed, keeps the separate fp32 master also
-when training in fp32, so K = 12 there too (parameters 4 + gradients 4 + 12 = 20 bytes
-per parameter at stage 0); `Strategy(separate_fp32_master=False)` gives the K = 8
-convention of systems that step fp32 parameters in place (torch DDP + AdamW). Offload (Ren et al. 2021,
+precision). In fp32 training zeroshard's engine steps the fp32 parameter shard in place
+(as FSDP and DDP + AdamW do), so K = 8 there (parameters 4 + gradients 4 + 8 = 16 bytes
+per parameter at stage 0); `Strategy(separate_fp32_master=True)` gives DeepSpeed's
+convention, which keeps a second fp32 copy also in fp32 training (K = 12). Offload (Ren et al. 2021,
 "ZeRO-Offload") moves the optimizer states and an fp32 gradient partition to the
 host; ZeRO-Infinity (Rajbhandari et al. 2021) moves them, or the parameters, to
 NVMe. The rest of the peak: gathered stage-3 units, gradient buckets and
@@ -68,10 +68,10 @@ def host_budget(host_memory: int) -> int:
     return int(host_memory * HOST_USABLE_FRACTION)
 
 
-def optimizer_bytes_per_param(optimizer: str, precision: Precision, separate_fp32_master: bool = True) -> int:
-    """K: fp32 master copy + the optimizer's states. The master is always separate in
-    zeroshard (and DeepSpeed), fp32 training included; `separate_fp32_master=False`
-    drops it for fp32 training only (the K = 8 convention of in-place fp32 optimizers)."""
+def optimizer_bytes_per_param(optimizer: str, precision: Precision, separate_fp32_master: bool = False) -> int:
+    """K: fp32 master copy + the optimizer's states. With 16-bit parameters the master is
+    separate; in fp32 training zeroshard steps the parameter shard itself (no master bytes)
+    unless `separate_fp32_master` (DeepSpeed's convention, which copies it anyway)."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ConfigError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}")
     master = 0 if (precision == Precision.FP32 and not separate_fp32_master) else MASTER_WEIGHT_BYTES
@@ -100,7 +100,7 @@ class Strategy:
     allgather_bucket_size: int = 500_000_000  # stages 1/2: larger buckets are published in chunks
     overlap_comm: bool = True
     compute_grad_norm: bool = True  # stages >= 1: one 1-element fp32 all-reduce per step
-    separate_fp32_master: bool = True  # False: K = 8 convention for fp32 (no master copy)
+    separate_fp32_master: bool = False  # True: DeepSpeed's second fp32 copy in fp32 training (K = 12)
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000

@@ -33,10 +33,13 @@ def sub_groups(sizes: list[int], cap: int) -> list[list[int]]:
 
 
 class ShardedOptimizer:
-    def __init__(self, buckets: list[FlatBucket], masters: list[torch.Tensor], build: Builder,
+    def __init__(self, buckets: list[FlatBucket], masters: list[torch.Tensor | None], build: Builder,
                  group_options: list[dict[str, Any]], memory: MemoryLedger, sub_group_size: int) -> None:
-        """`masters[b]` is the fp32 value of bucket b's shard, taken before any cast to 16 bits."""
-        self.buckets, self.memory, self.masters = buckets, memory, masters
+        """`masters[b]` is the fp32 value of bucket b's shard, taken before any cast to 16 bits,
+        or None when the shard is fp32 already: then the shard itself is the master."""
+        self.buckets, self.memory = buckets, memory
+        self.masters = [m if m is not None else b.shard() for m, b in zip(masters, buckets)]
+        self._separate = [m is not None for m in masters]
         groups = [
             {**options, "params": [m for m, b in zip(self.masters, buckets) if b.layout.group == g]}
             for g, options in enumerate(group_options)
@@ -84,7 +87,8 @@ class ShardedOptimizer:
             self.optimizer.step()
             for b in indices:
                 self.masters[b].grad = None
-                self.buckets[b].shard().copy_(self.masters[b])
+                if self._separate[b]:
+                    self.buckets[b].shard().copy_(self.masters[b])
                 after_bucket(b)
             self.memory.release("grads", "fp32_subgroup")
         self._count_states()
@@ -96,7 +100,8 @@ class ShardedOptimizer:
                     yield value
 
     def _count_states(self) -> None:
-        master_bytes = sum(m.numel() * m.element_size() for m in self.masters)
+        """Masters that are the parameter shards themselves are counted as parameters, not here."""
+        master_bytes = sum(m.numel() * m.element_size() for m, own in zip(self.masters, self._separate) if own)
         state_bytes = sum(t.numel() * t.element_size() for t in self._state_tensors())
         self.memory.hold("optimizer_states", "master", master_bytes)
         self.memory.hold("optimizer_states", "states", state_bytes)

@@ -26,7 +26,9 @@ from zeroshard.comm import Comm, Handle
 from zeroshard.partition import FlatBucket, MemoryLedger, slot_views
 from zeroshard.policies import ZeroShardError
 
-MAX_IN_FLIGHT = 2  # stage 2: buckets whose reduction may run at once (bounds transient memory)
+# stages 2/3: buckets whose reduction may still run when the next one launches; with 1, at
+# most two full gradient buffers exist (one reducing, one filling), as in FSDP
+MAX_IN_FLIGHT = 1
 
 
 @dataclass
