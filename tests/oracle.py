@@ -154,6 +154,13 @@ def train_engine(case: Case, rank: int, world_size: int, config: dict | None = N
     return engine, losses
 
 
+def paper_units(comm: dict) -> int:
+    """Volume in the ZeRO paper's units from `engine.comm_stats()`: an all-reduce counts twice."""
+    from zeroshard.comm import PAPER_FACTOR
+
+    return sum(PAPER_FACTOR[op] * stats["elements"] for op, stats in comm.items())
+
+
 def sgd_close(got: dict, ref: dict, tol: float = 1e-5) -> list[str]:
     """Names whose max difference exceeds `tol` x the tensor's largest entry."""
     bad = []

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from oracle import Case, train_engine
+from oracle import Case, paper_units, train_engine
 
 WORLD = 2
 RUNS = {
@@ -53,11 +53,6 @@ def _worker(rank, world_size, runs):
 @pytest.fixture(scope="module")
 def ledgers():
     return run_ranks(_worker, WORLD, RUNS, timeout=300)
-
-
-def paper_units(comm) -> int:
-    """ZeRO paper units: an all-reduce counts twice its elements."""
-    return 2 * comm["all_reduce"]["elements"] + comm["reduce_scatter"]["elements"] + comm["all_gather"]["elements"]
 
 
 @pytest.mark.parametrize("key", ["z0", "z1", "z2"])

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from oracle import Case, train_engine
+from oracle import Case, paper_units, train_engine
 
 WORLD = 2
 NO_REUSE = (("stage3_max_reuse_distance", 0), ("stage3_param_persistence_threshold", 0))
@@ -47,10 +47,6 @@ def ledgers():
     return run_ranks(_worker, WORLD, RUNS, timeout=300)
 
 
-def paper(comm) -> int:
-    return 2 * comm["all_reduce"]["elements"] + comm["reduce_scatter"]["elements"] + comm["all_gather"]["elements"]
-
-
 @pytest.mark.parametrize("key", ["fp32", "bf16"])
 def test_three_phi_per_step(ledgers, key):
     for rank in range(WORLD):
@@ -60,7 +56,7 @@ def test_three_phi_per_step(ledgers, key):
         assert r["comm"]["all_gather"]["elements"] == 2 * phi  # forward + backward
         assert r["comm"]["reduce_scatter"]["elements"] == phi
         assert r["comm"]["all_reduce"]["elements"] == 1  # the global gradient norm
-        assert paper(r["comm"]) == 3 * phi + 2
+        assert paper_units(r["comm"]) == 3 * phi + 2
         assert phi - r["phi"] <= len(r["units"]) * WORLD * 8  # padding: < one alignment unit per shard
 
 
@@ -71,7 +67,7 @@ def test_persistent_parameters_counted_separately(ledgers):
     # units: gathered twice and reduce-scattered; whole parameters: reduce-scattered and all-gathered
     assert r["comm"]["all_gather"]["elements"] == 2 * phi_units + phi_whole
     assert r["comm"]["reduce_scatter"]["elements"] == phi_units + phi_whole
-    assert paper(r["comm"]) == 3 * phi_units + 2 * phi_whole + 2
+    assert paper_units(r["comm"]) == 3 * phi_units + 2 * phi_whole + 2
 
 
 def test_parameters_at_rest_are_phi_times_2_over_n_in_bf16(ledgers):
