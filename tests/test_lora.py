@@ -1,7 +1,8 @@
 """LoRA (peft) on a transformers tiny Llama under ZeRO stage 3 on 2 real ranks: only the
-adapters own optimizer state (12 bytes each for fp32 AdamW, split over the ranks), the
-frozen base weights are sharded at rest too, and training equals one process with the
-whole batch (fp32, SGD: every tensor within 1e-5 of its largest entry)."""
+adapters own optimizer state (K = 12 bytes each for mixed-precision AdamW: fp32 master,
+exp_avg, exp_avg_sq; split over the ranks), the frozen base weights are sharded at rest
+too, and training equals one process with the whole batch (fp32, SGD: every tensor
+within 1e-5 of its largest entry)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def lora_llama() -> torch.nn.Module:
     return model
 
 
-def config(optimizer: dict) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": optimizer,
+def config(optimizer: dict, bf16: bool = False) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": optimizer, "bf16": {"enabled": bf16},
             "zero_optimization": {"stage": 3, "reduce_bucket_size": 3000, "allgather_bucket_size": 2000,
                                   "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0},
             "zeroshard": {"stage3_unit_classes": ["LlamaDecoderLayer"]}}
@@ -59,7 +60,7 @@ def _worker(rank: int, world: int):
     adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     base = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    engine = zeroshard.initialize(model, config(ADAMW))
+    engine = zeroshard.initialize(model, config(ADAMW, bf16=True))
     x, y = batch(0)
     engine.backward(loss_of(engine, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
     engine.step()
@@ -102,15 +103,15 @@ def test_only_adapters_are_trainable_and_own_optimizer_state(results):
         assert all(".lora_" in n for n in adam["bucket_names"])
         for padded in adam["padded"]:
             assert padded % WORLD == 0
-        # fp32 AdamW: fp32 master + exp_avg + exp_avg_sq = 12 bytes per (padded) adapter element, split N ways
+        # bf16 + AdamW: fp32 master + exp_avg + exp_avg_sq = 12 bytes per (padded) adapter element, split N ways
         assert adam["mem"]["optimizer_states"] == 12 * sum(adam["padded"]) // WORLD
         assert adam["mem"]["optimizer_states"] <= 12 * adam["adapters"] // WORLD + 12 * 16 * len(adam["padded"])
 
 
 def test_frozen_base_weights_are_sharded_at_rest(results):
     for adam, _ in results:
-        full = 4 * (adam["base"] + adam["adapters"])  # fp32
-        assert adam["mem"]["params"] == 4 * adam["all_padded"] // WORLD
+        full = 2 * (adam["base"] + adam["adapters"])  # bf16
+        assert adam["mem"]["params"] == 2 * adam["all_padded"] // WORLD
         assert abs(adam["mem"]["params"] - full / WORLD) <= 0.02 * full / WORLD, (adam["mem"]["params"], full)
 
 

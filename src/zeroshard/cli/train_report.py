@@ -120,7 +120,7 @@ def write_report(path: str, rec: RunRecord, per_rank: list[dict[str, int]], opti
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     steps = range(rec.first_step + 1, rec.first_step + len(rec.losses) + 1)
     ax_loss.plot(list(steps), rec.losses, lw=1.0, color="tab:blue", alpha=0.5, label="loss")
     if len(rec.losses) >= 10:
@@ -141,10 +141,10 @@ def write_report(path: str, rec: RunRecord, per_rank: list[dict[str, int]], opti
         ax_mem.bar(labels, heights, bottom=bottom, label=kind.replace("_", " "), color=color)
         bottom = [b + h for b, h in zip(bottom, heights)]
     extra = [sum(m[f"peak_{k}"] - m[k] for k in MEMORY_KINDS) / MiB for m in per_rank]
-    ax_mem.bar(labels[:-1], extra, bottom=bottom[:-1], label="more at peak (gathered, in flight)",
+    ax_mem.bar(labels[:-1], extra, bottom=bottom[:-1], label="extra at peak (gathered units, buffers)",
                color="none", edgecolor="black", hatch="//")
     ax_mem.set(ylabel="MiB", title=f"model states per rank (ZeRO stage {rec.stage}, {rec.world} ranks)")
-    ax_mem.legend(fontsize=8)
+    ax_mem.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
     fig.tight_layout()
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
