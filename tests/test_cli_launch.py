@@ -65,6 +65,7 @@ def test_the_deepspeed_example_config_loads_unchanged():
     assert "zeroshard" not in raw  # a plain DeepSpeed file, no zeroshard-only keys
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 def test_lora_example_runs(monkeypatch, capsys):
     """In this process (one rank): the transformers import is shared with the other tests."""
     import runpy
