@@ -1,7 +1,9 @@
 """Export: a checkpoint becomes Hugging Face style safetensors with equal logits; the CLI.
 
 The tiny GPT runs in this process (world size 1); the transformers GPT-2 trains on 2
-gloo ranks at stage 2 (stage 3 comes with stage 3) and loads with `from_pretrained`.
+gloo ranks at stages 2 and 3 (one spawn) and loads with `from_pretrained`; the same
+spawn writes `save_16bit_model` at stage 3 (bf16) and checks its refusal without the
+gather flag.
 """
 
 from __future__ import annotations
@@ -122,32 +124,103 @@ def gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-def _gpt2_worker(rank, world_size, root):
-    import torch.distributed as dist
+def _gpt2_config(stage: int, **zero) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, **zero}}
+    if stage == 3:  # GPT2Block units sharded at rest; biases and norms whole
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+        cfg["zeroshard"] = {"stage3_unit_classes": ["GPT2Block"]}
+    return cfg
 
-    dist.init_process_group("gloo")
-    engine = zeroshard.initialize(gpt2(), {"train_micro_batch_size_per_gpu": 2, "optimizer": {
-        "type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2, "reduce_bucket_size": 5000}})
+
+def _train(engine, rank: int, steps: int = 3) -> None:
     g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
+    for _ in range(steps):
         x = torch.randint(0, 64, (2, 16), generator=g)
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()
-    engine.save_checkpoint(root)
-    full = engine.full_state_dict()
+
+
+def _gpt2_worker(rank, world_size, root):
+    import torch.distributed as dist
+
+    from zeroshard.policies import CheckpointError
+
+    dist.init_process_group("gloo")
+    out = {}
+    for stage in (2, 3):
+        engine = zeroshard.initialize(gpt2(), _gpt2_config(stage))
+        _train(engine, rank)
+        engine.save_checkpoint(f"{root}/s{stage}")
+        out[f"full{stage}"] = engine.full_state_dict()
+        if stage == 3:
+            out["units"] = len(engine.units)
+            try:  # stage 3 without stage3_gather_16bit_weights_on_model_save
+                engine.save_16bit_model(f"{root}/refused")
+                out["refused"] = None
+            except CheckpointError as exc:
+                out["refused"] = str(exc)
+        engine.close()
+    engine = zeroshard.initialize(gpt2(), {**_gpt2_config(3, stage3_gather_16bit_weights_on_model_save=True),
+                                           "bf16": {"enabled": True}})
+    _train(engine, rank, steps=2)
+    out["written16"] = engine.save_16bit_model(f"{root}/16bit", max_shard_size="20KB")
+    out["full16"] = engine.full_state_dict()
     engine.close()
-    return full
+    return out
 
 
-def test_transformers_gpt2_export_loads_with_from_pretrained(tmp_path):
+@pytest.fixture(scope="module")
+def gpt2_runs(tmp_path_factory):
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("gpt2")
+    return run_ranks(_gpt2_worker, 2, str(root), timeout=240), root
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_transformers_gpt2_export_loads_with_from_pretrained(gpt2_runs, stage):
     transformers = pytest.importorskip("transformers")
-    full = run_ranks(_gpt2_worker, 2, str(tmp_path / "ck"), timeout=180)[0]
-    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 0
-    assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "hf"))
-    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    results, root = gpt2_runs
+    full = results[0][f"full{stage}"]
+    if stage == 3:
+        assert results[0]["units"] >= 2  # the blocks (and the root's leftovers) sharded at rest
+    out = root / f"hf{stage}"
+    assert main(["export", str(root / f"s{stage}"), str(out)]) == 0
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     reference = gpt2().eval()
     reference.load_state_dict(full)
     x = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=x).logits, reference(input_ids=x).logits)
     assert not torch.equal(reference.transformer.wte.weight, gpt2().transformer.wte.weight)  # it trained
+
+
+def test_save_16bit_model_stage3_writes_real_weights(gpt2_runs):
+    transformers = pytest.importorskip("transformers")
+    results, root = gpt2_runs
+    full = results[0]["full16"]
+    out = root / "16bit"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert results[0]["written16"] == sorted(set(index["weight_map"].values())) + [
+        "model.safetensors.index.json", "config.json"]
+    assert results[1]["written16"] == []  # rank 0 writes; the others only gather
+    merged = {}
+    for f in set(index["weight_map"].values()):
+        merged.update(load_file(out / f))
+    assert set(merged) == set(full)
+    for name, t in merged.items():
+        assert t.dtype == torch.bfloat16 and t.shape == full[name].shape, name
+        assert torch.equal(t, full[name].to(torch.bfloat16)), name  # real weights, not placeholders
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16 and torch.equal(loaded.transformer.h[1].mlp.c_fc.weight,
+                                                          merged["transformer.h.1.mlp.c_fc.weight"])
+
+
+def test_save_16bit_model_stage3_without_the_flag_refuses(gpt2_runs):
+    results, root = gpt2_runs
+    for r in results:
+        message = r["refused"]
+        assert message is not None, "save_16bit_model wrote a stage-3 model without the gather flag"
+        assert "stage3_gather_16bit_weights_on_model_save" in message and "zeroshard export" in message
+    assert not (root / "refused").exists()  # nothing written, no placeholders

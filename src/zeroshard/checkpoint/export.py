@@ -3,7 +3,8 @@
 `export` streams from a checkpoint one tensor at a time: each tensor is assembled
 from the rank files' element ranges, cast, written, and dropped, so peak memory is
 about the largest tensor whatever the model size. `save_16bit_model` writes the same
-files online, from the engine's compute-dtype parameters.
+files online, from the engine's compute-dtype parameters (at stage 3, gathered one
+bucket at a time while rank 0 writes, and only when the config allows the gather).
 
 Tied parameters are written under every name the model's state dict has (the same
 values twice): the files load with a strict `load_state_dict` into the original model,
@@ -119,13 +120,27 @@ def _reader_producer(reader: CheckpointReader, name: str, shape: tuple[int, ...]
 
 def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
     """Write the model's weights in the compute dtype (fp32 training writes fp32) as
-    HF-style safetensors in `save_dir`, from rank 0; call on every rank."""
+    HF-style safetensors in `save_dir`, from rank 0; call on every rank.
+
+    At stage 3 this needs `stage3_gather_16bit_weights_on_model_save`: the weights are
+    gathered one bucket at a time (peak: about one unit) while rank 0 writes them.
+    Without the flag it raises and writes nothing, never placeholder tensors."""
     written: list[str] = []
     error: BaseException | None = None
+    stage3 = engine.settings.zero.stage == Stage.PARAMETERS
     try:
-        if engine.settings.zero.stage == Stage.PARAMETERS:
-            raise CheckpointError("save_16bit_model at stage 3 is not built yet; use save_checkpoint and "
-                                  "`zeroshard export`, which never gathers the model on one rank")
+        if stage3 and not engine.settings.zero.stage3.gather_16bit_weights_on_model_save:
+            raise CheckpointError(
+                "save_16bit_model at ZeRO stage 3 gathers the sharded weights, which this config does not allow: "
+                "set zero_optimization.stage3_gather_16bit_weights_on_model_save to true, or call "
+                "engine.save_checkpoint(dir) and run `zeroshard export dir OUT --dtype bf16`, which consolidates "
+                "the shards without gathering the model on any rank. Nothing was written")
+    except BaseException as exc:
+        error = exc
+    agree(engine.comm, error, engine.device, "save_16bit_model")
+    if stage3:
+        return _save_16bit_stage3(engine, os.fspath(save_dir), max_shard_size)
+    try:
         if engine.rank == 0:
             entries = [Entry(name, tuple(t.shape), t.dtype, (lambda t=t: t.detach()))
                        for name, t in engine.module.state_dict().items()]
@@ -133,5 +148,72 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | 
             written = write_model(os.fspath(save_dir), entries, max_shard_size, config)
     except BaseException as exc:
         error = exc
+    agree(engine.comm, error, engine.device, "save_16bit_model")
+    return written
+
+
+class _BucketStream:
+    """The full compute-dtype buffer of one bucket at a time, all-gathered from the at-rest
+    shards (the source of truth at stage 3) and dropped when the next bucket is asked for.
+    Every rank makes the same requests in the same order, so the gathers pair up."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.bucket = None
+        self.full: torch.Tensor | None = None
+
+    def get(self, bucket) -> torch.Tensor:
+        if bucket is not self.bucket:
+            self.drop()
+            if bucket.layout.shard_count == 1 or getattr(bucket, "new_full", None) is None:
+                full = bucket.data  # a persistent bucket: whole on every rank, republished after each step
+            else:
+                full = bucket.new_full()
+                self.engine.comm.all_gather(full, bucket.shard(),
+                                            what=f"save_16bit_model, unit '{bucket.name}'").wait()
+            self.bucket, self.full = bucket, full
+        return self.full
+
+    def drop(self) -> None:
+        if self.bucket is not None and self.full is not self.bucket.data:
+            self.bucket.memory.release("params", f"{self.bucket.key}.full")
+        self.bucket = self.full = None
+
+
+def _save_16bit_stage3(engine, save_dir: str, max_shard_size: int | str) -> list[str]:
+    where = {}
+    for bucket in list(engine.buckets) + list(getattr(engine, "frozen_buckets", [])):
+        for slot, p in zip(bucket.slots, bucket.params):
+            where[id(p)] = (bucket, slot)
+    stream = _BucketStream(engine)
+    produced = 0
+
+    def producer(i: int, t: torch.Tensor):
+        def produce() -> torch.Tensor:
+            nonlocal produced
+            produced = i + 1
+            if id(t) not in where:  # buffers, frozen parameters outside units: whole on every rank
+                return t.detach()
+            bucket, slot = where[id(t)]
+            return stream.get(bucket)[slot.offset : slot.end].view(slot.shape)
+        return produce
+
+    entries = []
+    for i, (name, t) in enumerate(engine.module.state_dict(keep_vars=True).items()):
+        dtype = where[id(t)][0].dtype if id(t) in where else t.dtype  # released parameters: true shape
+        entries.append(Entry(name, tuple(t.shape), dtype, producer(i, t)))
+    written: list[str] = []
+    error: BaseException | None = None
+    try:
+        if engine.rank == 0:
+            config = _config_for(model_config(engine.module), engine.compute_dtype, type(engine.module).__name__)
+            written = write_model(save_dir, entries, max_shard_size, config)
+    except BaseException as exc:
+        error = exc
+    try:
+        for e in entries[produced:]:  # the other ranks, or rank 0 after a failed write: the same gathers
+            e.produce()
+    finally:
+        stream.drop()
     agree(engine.comm, error, engine.device, "save_16bit_model")
     return written

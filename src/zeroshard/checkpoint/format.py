@@ -12,10 +12,14 @@ A checkpoint directory holds tags; each tag is a directory:
 
 Rank files hold flat 1-D tensors named `bucket{b}.{field}`: this rank's shard of
 bucket b, where field is `master` (fp32 parameter values), `value` (a shard of
-parameters without optimizer state: frozen ones at stage 3) or `optim.{state}`
+parameters without optimizer state: the frozen parameters of stage-3 units, in the
+compute dtype) or `optim.{state}`
 (an optimizer state shaped like the master; 0-dim ones are per-shard scalars such as
 Adam's `step`), the last in the rank's `.optim` file. Whole tensors kept on every rank (frozen parameters and buffers at
-stages 0-2) are `module.{name}` in rank 0's file, in their own shape and dtype.
+stages 0-2; buffers and frozen parameters outside units at stage 3) are `module.{name}`
+in rank 0's file, in their own shape and dtype. A stage-3 checkpoint numbers its buckets:
+trainable ones first (unit buckets, then persistent whole-parameter buckets), then the
+frozen unit buckets.
 
 Everything needed to find an element of any parameter is in `meta.json`: for every
 bucket its slots (name, shape, offset), padded size, shard count and which rank file
@@ -142,11 +146,14 @@ class BucketRecord:
                    int(d["shard_count"]), tuple(int(r) for r in d["holders"]), tuple(d["fields"]))
 
 
-def bucket_record(bucket, fields: tuple[str, ...]) -> BucketRecord:
-    """The record of a live FlatBucket (shard s is written by rank s, or rank 0 when unsharded)."""
+def bucket_record(bucket, fields: tuple[str, ...], index: int) -> BucketRecord:
+    """The record of a live FlatBucket or stage-3 UnitBucket, as bucket `index` of the
+    checkpoint (shard s is written by rank s, or rank 0 when unsharded). The index is the
+    bucket's position in the checkpoint, not `layout.index`: stage-3 units number their
+    buckets from 0 each."""
     lay = bucket.layout
     slots = tuple(SlotRecord(s.name, tuple(s.shape), s.offset) for s in lay.slots)
-    return BucketRecord(lay.index, str(bucket.data.dtype), lay.group, slots, lay.padded_numel,
+    return BucketRecord(index, str(bucket.dtype), lay.group, slots, lay.padded_numel,
                         lay.shard_count, tuple(range(lay.shard_count)), fields)
 
 

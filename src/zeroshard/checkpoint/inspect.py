@@ -27,7 +27,7 @@ def inspect(ckpt_dir: str | os.PathLike, tag: str | None = None, verify: bool = 
                     "params": len(b.slots), "numel": sum(s.numel for s in b.slots),
                     "padded_numel": b.padded_numel, "shards": b.shard_count,
                     "fields": [f for f in b.fields]} for b in reader.buckets]
-        trainable = sum(b["numel"] for b in buckets)
+        trainable = sum(b["numel"] for b in buckets if "master" in b["fields"])  # not stage-3 frozen units
         total = sum(reader.numel(n) for n in reader.tensors)
         return {
             "dir": reader.dir, "tag": meta["tag"], "world_size": meta["world_size"], "stage": meta["stage"],

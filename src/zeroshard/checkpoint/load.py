@@ -17,7 +17,7 @@ import torch
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.reader import CheckpointReader
-from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, name_table
+from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, frozen_buckets, name_table_of
 from zeroshard.policies import CheckpointError
 
 log = logging.getLogger("zeroshard")
@@ -44,6 +44,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     try:
         with torch.no_grad():
             load_masters(reader, engine)
+            load_frozen_shards(reader, engine)
             load_module_tensors(reader, engine)
             if load_optimizer_states:
                 load_optimizer(reader, engine)
@@ -59,7 +60,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
 
 # -- compatibility ----------------------------------------------------------------------------------
 def check_model(reader: CheckpointReader, engine) -> None:
-    table = name_table(engine.module, engine.buckets)
+    table = name_table_of(engine)
     saved = {n: reader.tensors[reader.canonical(n)]["shape"] for n in reader.meta["names"]}
     model = {n: table.tensors[table.tied.get(n, n)]["shape"] for n in table.names}
     missing = [n for n in model if n not in saved]
@@ -111,9 +112,17 @@ def load_masters(reader: CheckpointReader, engine) -> None:
         _fill(master, bucket, reader, "value")
 
 
+def load_frozen_shards(reader: CheckpointReader, engine) -> None:
+    """Stage 3: this rank's at-rest shard of each frozen unit bucket, element range by
+    element range (from a saved frozen shard, or from a whole tensor saved at stages 0-2)."""
+    for bucket in frozen_buckets(engine):
+        _fill(bucket.shard(), bucket, reader, "value")
+
+
 def load_module_tensors(reader: CheckpointReader, engine) -> None:
-    """Frozen parameters and buffers (whole on every rank at stages 0-2)."""
-    table = name_table(engine.module, engine.buckets)
+    """Frozen parameters and buffers kept whole on every rank (all of them at stages 0-2;
+    buffers and frozen parameters outside units at stage 3)."""
+    table = name_table_of(engine)
     for name, t in table.module_entries:
         t.data.copy_(reader.read(name, "value").view(t.shape))
 

@@ -38,7 +38,7 @@ from zeroshard.checkpoint.format import (
     json_safe,
     rank_file as rank_file_name,
 )
-from zeroshard.checkpoint.snapshot import JSON, model_config, name_table, rank_file
+from zeroshard.checkpoint.snapshot import JSON, model_config, name_table_of, rank_file
 from zeroshard.policies import CheckpointError
 
 PAUSE_ENV = "ZEROSHARD_CHECKPOINT_TEST_PAUSE"  # "<phase>": tests stop a save there and kill it
@@ -74,7 +74,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         error = exc
     agree(engine.comm, error, device, "saving checkpoint")
 
-    table = name_table(engine.module, engine.buckets)
+    table = name_table_of(engine)
     record: dict[str, Any] = {}
     try:
         part = rank_file(engine, table, pause)

@@ -1,7 +1,12 @@
 """What a live engine saves: the tensors of one rank's file and the model's name table.
 
-Read-only over the engine (duck-typed: `buckets`, `optimizer`, `module`, `rank`), so
-the checkpoint layer does not import the api layer above it.
+Read-only over the engine (duck-typed: `buckets`, `frozen_buckets`, `optimizer`,
+`module`, `rank`), so the checkpoint layer does not import the api layer above it.
+
+At stage 3 a released parameter keeps its true shape but its data is one NaN expanded
+to that shape: values are never read through the module there. Trainable parameters
+are saved from the fp32 masters of `engine.buckets`, and the frozen parameters of units
+from each rank's at-rest shard of `engine.frozen_buckets` (field `value`).
 """
 
 from __future__ import annotations
@@ -50,10 +55,21 @@ class NameTable:
         return {"names": self.names, "tensors": self.tensors, "tied": self.tied}
 
 
-def name_table(module: torch.nn.Module, buckets) -> NameTable:
+def frozen_buckets(engine) -> list:
+    """The sharded frozen buckets of a stage-3 engine (none at stages 0-2)."""
+    return list(getattr(engine, "frozen_buckets", None) or [])
+
+
+def name_table_of(engine) -> NameTable:
+    return name_table(engine.module, engine.buckets, frozen_buckets(engine))
+
+
+def name_table(module: torch.nn.Module, buckets, frozen=()) -> NameTable:
     """Tied tensors are found by identity in `state_dict(keep_vars=True)`: the first name
-    seen is canonical (it is the name the buckets use), later ones are aliases."""
+    seen is canonical (it is the name the buckets use), later ones are aliases. Parameters
+    of `frozen` (stage-3 frozen unit buckets) are neither trainable nor module entries."""
     in_bucket = {id(p) for b in buckets for p in b.params}
+    sharded = {id(p) for b in frozen for p in b.params}
     canonical: dict[int, str] = {}
     table = NameTable([], {}, {})
     for name, t in module.state_dict(keep_vars=True).items():
@@ -64,7 +80,7 @@ def name_table(module: torch.nn.Module, buckets) -> NameTable:
         canonical[id(t)] = name
         trainable = id(t) in in_bucket
         table.tensors[name] = {"shape": list(t.shape), "dtype": str(t.dtype), "trainable": trainable}
-        if not trainable:
+        if not trainable and id(t) not in sharded:
             table.module_entries.append((name, t))
     return table
 
@@ -102,7 +118,9 @@ def rank_file(engine, table: NameTable, pause: Callable[[str], None]) -> RankFil
     optim_entries: list[Entry] = []
     shards: list[list[int]] = []
     json_states: dict[str, dict[str, Any]] = {}
-    records = [bucket_record(bucket, fields) for bucket in engine.buckets]
+    frozen = frozen_buckets(engine)
+    records = [bucket_record(bucket, fields, b) for b, bucket in enumerate(engine.buckets)]
+    records += [bucket_record(bucket, ("value",), len(engine.buckets) + f) for f, bucket in enumerate(frozen)]
     for b, (bucket, master) in enumerate(zip(engine.buckets, opt.masters)):
         if bucket.shard_index != engine.rank:  # the lowest rank holding a shard writes it
             continue
@@ -116,6 +134,12 @@ def rank_file(engine, table: NameTable, pause: Callable[[str], None]) -> RankFil
                 json_states.setdefault(f"bucket{b}", {})[name] = json_safe(state[name], f"optimizer state {name!r}")
             else:
                 optim_entries.append(_entry(bucket_key(b, f"optim.{name}"), state[name]))
+    for f, bucket in enumerate(frozen):  # stage 3: the at-rest shard, in the compute dtype
+        if bucket.shard_index != engine.rank:
+            continue
+        b = len(engine.buckets) + f
+        shards.append([b, bucket.shard_index])
+        entries.append(_entry(bucket_key(b, "value"), bucket.shard()))
     if engine.rank == 0:
         entries += [_entry(module_key(name), t) for name, t in table.module_entries]
     if entries:
