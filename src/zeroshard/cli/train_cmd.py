@@ -18,10 +18,6 @@ from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, chec
 from zeroshard.cli.train_model import model_choices
 
 REPORT_DEFAULT = "zeroshard_train_report.png"
-# Stages whose engines Engine.save_checkpoint can save today. Stage 3 fails inside
-# zeroshard.checkpoint (tests/test_cli_train.py::test_stage3_checkpoint_round_trip, xfail):
-# add 3 here when that test passes.
-CHECKPOINT_STAGES = (0, 1, 2)
 
 
 def register(subparsers) -> None:
@@ -80,13 +76,9 @@ def _check_config(args: argparse.Namespace) -> str | None:
     from zeroshard.policies import ZeroShardError
 
     try:
-        settings = load_config(build_config(args, ["Block"]), args.nproc * args.nnodes)
+        load_config(build_config(args, ["Block"]), args.nproc * args.nnodes)
     except ZeroShardError as exc:
         return str(exc)
-    stage = int(settings.zero.stage)
-    if args.save and stage not in CHECKPOINT_STAGES:
-        return (f"--save at ZeRO stage {stage}: zeroshard.checkpoint cannot save stage-{stage} engines yet; "
-                f"train with --stage {max(CHECKPOINT_STAGES)} to checkpoint")
     return None
 
 
