@@ -25,10 +25,10 @@ rounds are pooled, and steps during which other programs used >= 0.25 cores are 
 Measured per variant (per rank; the larger of the two ranks):
   step time      median of rank 0's wall clock of zero_grad + forward + backward + step, no barrier.
   model states   PEAK params + grads + optimizer states:
-                 zs3:   memory_stats() peak_params + peak_grads + peak_optimizer_states (a sum of
-                        per-category peaks, so an upper bound of the simultaneous peak). params include
-                        the gathered (full) unit buffers; grads include the full unit gradient buffers in
-                        flight; optimizer states include the fp32 master shard.
+                 zs3:   memory_stats()["peak_model_states"]: the largest params + grads + optimizer
+                        states held at one moment (the ledger updates it on every allocation). params
+                        include the gathered (full) unit buffers; grads the full unit gradient buffers
+                        in flight; in fp32 the parameter shard is the master (no second copy).
                  fsdp2: its real tensors: sharded parameters' local tensors + sharded .grad local tensors
                         + optimizer state tensors (after the step), plus the peak of the transient
                         unsharded parameters and unsharded gradients, with the flat all-gather output /
@@ -284,7 +284,7 @@ def run_zs3(rank: int, world: int, args) -> dict[str, Any]:
     paper = sum(PAPER_FACTOR[op] * s["elements"] for op, s in comm.items())
     out.update(
         params=nparams,
-        model_state_bytes=mem["peak_params"] + mem["peak_grads"] + mem["peak_optimizer_states"],
+        model_state_bytes=mem["peak_model_states"],  # params + grads + optimizer states at one moment
         rest_bytes=mem["params"] + mem["grads"] + mem["optimizer_states"],
         buffer_bytes=mem["peak_comm_buffers"],
         breakdown={k: mem[f"peak_{k}"] for k in ("params", "grads", "optimizer_states", "comm_buffers")}
@@ -426,11 +426,10 @@ def report(args, results: dict[str, Result], extras: dict[str, dict], total_s: f
                       f"16 Phi/{n} = {_mib(16 * phi // n)} MiB (FSDP2 keeps fp32 sharded params as its master and casts "
                       "to bf16 at all-gather); plus persisted small params (zs3) and padding.")
     else:
-        console.print(f"formula, at rest (bytes per rank): zs3 (4 param + 4 grad + 4 fp32 master + 8 Adam) Phi/{n} = "
-                      f"20 Phi/{n} = {_mib(20 * phi // n)} MiB; FSDP2 (4 param + 4 grad + 8 Adam) Phi/{n} = 16 Phi/{n} = "
-                      f"{_mib(16 * phi // n)} MiB: zeroshard keeps an fp32 master even when the compute dtype is fp32 "
-                      f"(+4 Phi/{n} = {_mib(4 * phi // n)} MiB), FSDP2 steps its fp32 sharded parameters directly.")
-    console.print(f"peak = at rest + transients: zs3 sums per-category peaks (gathered units, full unit gradients in "
+        console.print(f"formula, at rest (bytes per rank): both (4 param + 4 grad + 8 Adam) Phi/{n} = 16 Phi/{n} = "
+                      f"{_mib(16 * phi // n)} MiB: in fp32 both step the fp32 parameter shard itself (no second "
+                      "master copy); plus persisted small params (zs3) and padding.")
+    console.print(f"peak = at rest + transients: zs3 is the ledger's simultaneous peak (gathered units, full unit gradients in "
                   f"flight); FSDP2 adds the sampled peak of its unsharded parameters + unsharded gradients.")
     console.print("per-variant wall (incl. process start): " + ", ".join(f"{r.name} {r.wall_s:.0f}s"
                                                                        for r in results.values()))

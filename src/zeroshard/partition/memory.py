@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 CATEGORIES = ("params", "grads", "optimizer_states", "comm_buffers")
+MODEL_STATES = ("params", "grads", "optimizer_states")
 TIERS = ("device", "host", "nvme")
 
 
@@ -20,6 +21,7 @@ class MemoryLedger:
         self._now: dict[str, int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
         self._tier_now: dict[str, int] = defaultdict(int)
+        self._peak_states = 0  # params + grads + optimizer states held at the same moment
 
     def hold(self, category: str, key: str, nbytes: int, tier: str = "device") -> None:
         if category not in CATEGORIES or tier not in TIERS:
@@ -29,6 +31,10 @@ class MemoryLedger:
         self._now[category] += nbytes
         self._tier_now[tier] += nbytes
         self._peak[category] = max(self._peak[category], self._now[category])
+        self._peak_states = max(self._peak_states, self._states_now())
+
+    def _states_now(self) -> int:
+        return sum(self._now[c] for c in MODEL_STATES)
 
     def release(self, category: str, key: str) -> None:
         entry = self._held.pop((category, key), None)
@@ -42,9 +48,12 @@ class MemoryLedger:
 
     def reset_peaks(self) -> None:
         self._peak = defaultdict(int, {c: self._now[c] for c in CATEGORIES})
+        self._peak_states = self._states_now()
 
     def stats(self) -> dict[str, int]:
         out = {c: self._now[c] for c in CATEGORIES}
         out.update({f"peak_{c}": self._peak[c] for c in CATEGORIES})
+        out["model_states"] = self._states_now()
+        out["peak_model_states"] = self._peak_states  # simultaneous, not the sum of the peaks above
         out.update({f"tier_{t}": self._tier_now[t] for t in TIERS})
         return out

@@ -26,8 +26,11 @@ from zeroshard.comm import Comm, Handle
 from zeroshard.partition import FlatBucket, MemoryLedger, slot_views
 from zeroshard.policies import ZeroShardError
 
-# stages 2/3: buckets whose reduction may still run when the next one launches; with 1, at
-# most two full gradient buffers exist (one reducing, one filling), as in FSDP
+# stage 2: buckets whose reduction may still run when the next one launches; with 1, at most
+# two full gradient buffers exist (one reducing, one filling). Stage 3 uses 0: a unit's
+# reduce-scatter finishes before the next unit's gradients arrive, so one unit-sized
+# buffer exists at a time (on CUDA the wait only orders streams; on gloo the call mostly
+# blocks anyway), keeping stage 3's peak at FSDP's.
 MAX_IN_FLIGHT = 1
 
 
@@ -275,8 +278,9 @@ class PartitionedGradients(_Scatter, BucketedGradients):
     gradient into it on arrival; otherwise they stay in `param.grad` until the bucket is
     complete), and every micro-step reduces, so nothing full is kept across micro-steps."""
 
-    def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False, **kwargs) -> None:
-        self.contiguous, self.use_all_reduce = contiguous, use_all_reduce
+    def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False,
+                 max_in_flight: int = MAX_IN_FLIGHT, **kwargs) -> None:
+        self.contiguous, self.use_all_reduce, self.max_in_flight = contiguous, use_all_reduce, max_in_flight
         super().__init__(*args, **kwargs)
         self.shards = []
         for bucket in self.buckets:
@@ -290,7 +294,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         return True
 
     def _max_in_flight(self) -> int:
-        return MAX_IN_FLIGHT
+        return self.max_in_flight
 
     def begin_backward(self, boundary: bool, first_micro: bool) -> None:
         for bucket in self.buckets:

@@ -6,6 +6,7 @@ from zeroshard.comm import Comm
 from zeroshard.partition import FlatBucket, MemoryLedger
 from zeroshard.policies import NotSupportedYetError, Settings, Stage
 from zeroshard.stages.gradients import (
+    MAX_IN_FLIGHT,
     AllReducedGradients,
     BucketedGradients,
     PartitionedGradients,
@@ -32,5 +33,6 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
         return ScatteredGradients(buckets, comm, memory, use_all_reduce=not zero.reduce_scatter, **common)
     if zero.stage in (Stage.GRADIENTS, Stage.PARAMETERS):
         return PartitionedGradients(buckets, comm, memory, contiguous=zero.contiguous_gradients,
-                                    use_all_reduce=not zero.reduce_scatter, **common)
+                                    use_all_reduce=not zero.reduce_scatter,
+                                    max_in_flight=0 if zero.stage == Stage.PARAMETERS else MAX_IN_FLIGHT, **common)
     raise NotSupportedYetError(f"zero_optimization.stage = {int(zero.stage)}: not supported")
