@@ -52,6 +52,11 @@ class FlatBucket:
         self.memory.hold("params", self.key, data.numel() * data.element_size())
 
     @property
+    def label(self) -> str:
+        """How messages name this bucket."""
+        return f"bucket {self.layout.index}"
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 

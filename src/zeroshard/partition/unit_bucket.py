@@ -26,6 +26,10 @@ class UnitBucket(FlatBucket):
         self._dtype, self._device = self.data.dtype, self.data.device
 
     @property
+    def label(self) -> str:
+        return f"unit '{self.name or '<root>'}'"
+
+    @property
     def dtype(self) -> torch.dtype:
         return self._dtype
 

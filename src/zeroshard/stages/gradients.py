@@ -234,7 +234,7 @@ class AllReducedGradients(_PersistentGradients):
     publishes_params = False
 
     def _collective(self, b, wire):
-        handle = self.comm.all_reduce(wire, what=f"gradient bucket {b}")
+        handle = self.comm.all_reduce(wire, what=f"gradients of {self.buckets[b].label}")
         return handle, lambda w, full: full.copy_(w)
 
     def grad_shard(self, b: int) -> torch.Tensor:
@@ -254,9 +254,9 @@ class _Scatter:
     def _collective(self, b, wire):
         lo, hi = self.buckets[b].shard_range
         if self.use_all_reduce:
-            handle = self.comm.all_reduce(wire, what=f"gradient bucket {b}")
+            handle = self.comm.all_reduce(wire, what=f"gradients of {self.buckets[b].label}")
         else:
-            handle = self.comm.reduce_scatter(wire[lo:hi], wire, what=f"gradient bucket {b}")
+            handle = self.comm.reduce_scatter(wire[lo:hi], wire, what=f"gradients of {self.buckets[b].label}")
         return handle, lambda w, full: full[lo:hi].copy_(w[lo:hi])
 
 

@@ -182,7 +182,7 @@ class Stage3Runtime:
         if self._on_trace and (position >= len(self._trace) or self._trace[position] != unit.index):
             self._on_trace = False
         self.gather(unit)
-        if self._on_trace:
+        if self._on_trace and self.phase is not Phase.BACKWARD:
             self._prefetch(position + 1)
 
     def _prefetch(self, start: int) -> None:
@@ -295,6 +295,10 @@ class Stage3Runtime:
         inputs need no gradient, e.g. the embeddings, is released when backward ends.)"""
         if self.phase is Phase.BACKWARD and unit.users == 0:
             self._release(unit)
+            # in backward, prefetch only once a unit is done: its gradients are reduced and
+            # its parameters released, so the next unit's gather never overlaps them
+            if self._on_trace:
+                self._prefetch(len(self._recording))
 
 
 class _PostBackward(torch.autograd.Function):
