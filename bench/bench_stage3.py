@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import platform
 import resource
@@ -54,14 +53,13 @@ import statistics
 import sys
 import time
 import traceback
-from queue import Empty
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also in the spawned children
 
 from bench_stages import (  # noqa: E402  (shared helpers of the stage 0/1/2 bench, imported as they are)
-    BETAS, EPS, LOAD_LIMIT, LR, WEIGHT_DECAY, Result, _free_port, _mib, _model,
-    _source_version, _time_loop, clean, median_step, wait_for_quiet,
+    BETAS, EPS, LOAD_LIMIT, LR, WEIGHT_DECAY, Result, _mib, _model,
+    _source_version, _time_loop, clean, median_step, other_load, spawn_ranks, wait_for_quiet,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -316,32 +314,10 @@ def _rank_entry(rank: int, world: int, port: int, args, name: str, queue) -> Non
 
 
 def run_variant(args, name: str, world: int = 2, timeout: float = 900) -> tuple[Result, dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
     started = time.perf_counter()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, args, name, queue), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    outs: dict[int, dict] = {}
-    try:
-        for _ in range(world):
-            try:
-                rank, ok, value = queue.get(timeout=timeout)
-            except Empty:
-                raise RuntimeError(f"{name}: ranks did not finish within {timeout}s") from None
-            if not ok:
-                raise RuntimeError(f"{name}: rank {rank} failed:\n{value}")
-            outs[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    outs = spawn_ranks(_rank_entry, (args, name), name, world, timeout)
     r0 = outs[0]
-    other = [max(0.0, busy - c0 - c1) / wall if busy else float("nan")
-             for busy, c0, c1, wall in zip(r0["busy"], r0["cpu"], outs[1]["cpu"], r0["step"])]
+    other = other_load(outs)
     result = Result(
         name=name, params=r0["params"], step_times=r0["step"], fwd=r0["fwd"], bwd=r0["bwd"], opt=r0["opt"],
         losses=r0["loss"], model_state_bytes=max(o["model_state_bytes"] for o in outs.values()),
@@ -429,8 +405,8 @@ def report(args, results: dict[str, Result], extras: dict[str, dict], total_s: f
         console.print(f"formula, at rest (bytes per rank): both (4 param + 4 grad + 8 Adam) Phi/{n} = 16 Phi/{n} = "
                       f"{_mib(16 * phi // n)} MiB: in fp32 both step the fp32 parameter shard itself (no second "
                       "master copy); plus persisted small params (zs3) and padding.")
-    console.print(f"peak = at rest + transients: zs3 is the ledger's simultaneous peak (gathered units, full unit gradients in "
-                  f"flight); FSDP2 adds the sampled peak of its unsharded parameters + unsharded gradients.")
+    console.print("peak = at rest + transients: zs3 is the ledger's simultaneous peak (gathered units, full unit gradients in "
+                  "flight); FSDP2 adds the sampled peak of its unsharded parameters + unsharded gradients.")
     console.print("per-variant wall (incl. process start): " + ", ".join(f"{r.name} {r.wall_s:.0f}s"
                                                                        for r in results.values()))
     console.print(f"clean steps: measured steps during which other programs used < {LOAD_LIMIT} CPU cores; step "

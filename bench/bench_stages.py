@@ -316,13 +316,12 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.25, window: float = 2.0
             return load
 
 
-def run_variant(args, variant: Variant, world: int = 2, timeout: float = 900) -> Result:
+def spawn_ranks(entry, payload: tuple, name: str, world: int = 2, timeout: float = 900) -> dict[int, dict]:
+    """Run entry(rank, world, port, *payload, queue) on `world` spawned processes; their results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    started = time.perf_counter()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, args, variant, queue), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=entry, args=(r, world, port, *payload, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     outs: dict[int, dict] = {}
@@ -331,20 +330,31 @@ def run_variant(args, variant: Variant, world: int = 2, timeout: float = 900) ->
             try:
                 rank, ok, value = queue.get(timeout=timeout)
             except Empty:
-                raise RuntimeError(f"{variant.name}: ranks did not finish within {timeout}s") from None
+                raise RuntimeError(f"{name}: ranks did not finish within {timeout}s") from None
             if not ok:
-                raise RuntimeError(f"{variant.name}: rank {rank} failed:\n{value}")
+                raise RuntimeError(f"{name}: rank {rank} failed:\n{value}")
             outs[rank] = value
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+    return outs
+
+
+def other_load(outs: dict[int, dict]) -> list[float]:
+    """Other programs' CPU during step i: the machine's busy seconds on rank 0's clock minus both
+    ranks' own CPU in their step i (collectives keep the ranks' steps aligned)."""
     r0 = outs[0]
-    # Other programs' CPU during step i: the machine's busy seconds on rank 0's clock minus both
-    # ranks' own CPU in their step i (collectives keep the ranks' steps aligned).
-    other = [max(0.0, busy - c0 - c1) / wall if busy else float("nan")
-             for busy, c0, c1, wall in zip(r0["busy"], r0["cpu"], outs[1]["cpu"], r0["step"])]
+    return [max(0.0, busy - c0 - c1) / wall if busy else float("nan")
+            for busy, c0, c1, wall in zip(r0["busy"], r0["cpu"], outs[1]["cpu"], r0["step"])]
+
+
+def run_variant(args, variant: Variant, world: int = 2, timeout: float = 900) -> Result:
+    started = time.perf_counter()
+    outs = spawn_ranks(_rank_entry, (args, variant), variant.name, world, timeout)
+    r0 = outs[0]
+    other = other_load(outs)
     return Result(
         name=variant.name, params=r0["params"], step_times=r0["step"], fwd=r0["fwd"], bwd=r0["bwd"],
         opt=r0["opt"], losses=r0["loss"],
@@ -486,7 +496,7 @@ def report(args, results: list[Result], total_s: float, world: int = 2) -> None:
     console.print(f"buckets: DDP bucket_cap_mb={BUCKET_MB} (first bucket 1 MiB); zeroshard reduce/allgather_bucket_size="
                   f"{bucket:,} elements (= {BUCKET_MB} MiB of {'bf16' if args.bf16 else 'fp32'})"
                   + (f"; zs2-ds: {DS_DEFAULT_BUCKET:,} elements (DeepSpeed default)" if "zs2-ds" in by else ""))
-    console.print(f"per-variant wall (incl. process start): "
+    console.print("per-variant wall (incl. process start): "
                   + ", ".join(f"{r.name} {r.wall_s:.0f}s" for r in results))
     console.print(f"clean steps: measured steps during which other programs used < {LOAD_LIMIT} CPU cores "
                   f"(from /proc/stat; this machine has {os.cpu_count()} cores and the ranks need both); step times, "

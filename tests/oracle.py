@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from zeroshard.models import FrozenMLP, build_gpt, global_batch, synthetic_tokens
 

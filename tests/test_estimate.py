@@ -2,12 +2,11 @@
 communication volumes, activations and parameter counts."""
 
 import json
-import math
 
 import pytest
 
 from zeroshard.estimate import (
-    GB, GIB, OffloadDevice, Precision, Stage, Strategy, activation_bytes, ds_estimate_zero2, ds_estimate_zero3,
+    GB, GIB, Precision, Stage, Strategy, activation_bytes, ds_estimate_zero2, ds_estimate_zero3,
     estimate_comm, estimate_memory, model_states_per_device, optimizer_bytes_per_param, parse_bytes, parse_count,
     ring_split, shape_from_callable, shape_from_hf_config, shape_from_params,
 )
