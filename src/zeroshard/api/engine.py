@@ -66,8 +66,9 @@ class Engine:
             masters = self._assemble_stage3(parts)
         else:
             masters = self._assemble_replicated(parts)
-        frozen_whole = [p for p in parts.frozen if not self._partitioned_frozen.get(id(p))]
-        self.memory.hold("params", "frozen", sum(p.numel() * p.element_size() for p in frozen_whole))
+        sharded = {id(p) for bucket in self.frozen_buckets for p in bucket.params}  # counted by their buckets
+        self.memory.hold("params", "frozen", sum(p.numel() * p.element_size() for p in parts.frozen
+                                                 if id(p) not in sharded))
         # a sub-group's 16-bit gradients are upcast to fp32 together: at most one bucket's worth
         sub_group = min(zero.sub_group_size, zero.reduce_bucket_size)
         self.optimizer = ShardedOptimizer(self.buckets, masters, self.plan.build, self.plan.group_options,
@@ -97,7 +98,6 @@ class Engine:
         broadcast_model(self.module, self.buckets, self.comm)
         masters = take_masters_and_cast(self.buckets, self.compute_dtype)
         self._cast_rest()
-        self._partitioned_frozen: dict[int, bool] = {}
         self.frozen_buckets: list = []
         self.units: list = []
         self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory)
@@ -113,7 +113,6 @@ class Engine:
         self.buckets = s3.trainable
         masters = s3.masters
         self._cast_rest()
-        self._partitioned_frozen = {id(p): True for b in s3.frozen for p in b.params}
         self.frozen_buckets = s3.frozen
         self.units = s3.units
         self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory)
