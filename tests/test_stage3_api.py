@@ -86,7 +86,8 @@ def test_init_peak_is_far_below_the_full_model(monkeypatch):
     assert plain[0]["params"] >= 50_000_000
     for r in range(WORLD):
         assert plain[r]["growth"] >= 0.9 * full_bytes, plain
-        assert sharded[r]["growth"] <= 0.65 * full_bytes, (sharded, full_bytes)
+        # its half of the shards (0.5) plus one module in flight and allocator slack (measured 0.64)
+        assert sharded[r]["growth"] <= 0.75 * full_bytes, (sharded, full_bytes)
     print(f"build peak per rank: plain {plain[0]['growth'] / 2**20:.0f} MiB, Init {sharded[0]['growth'] / 2**20:.0f} MiB")
 
 
