@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also in the sp
 
 from bench_stages import (  # noqa: E402  (shared helpers of the stage 0/1/2 bench, imported as they are)
     BETAS, EPS, LOAD_LIMIT, LR, WEIGHT_DECAY, Result, _mib, _model,
-    _source_version, _time_loop, clean, median_step, other_load, spawn_ranks, wait_for_quiet,
+    _source_version, _time_loop, clean, median_step, other_load, spawn_ranks, wait_for_quiet, add_common_arguments, parse_common,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -418,14 +418,7 @@ def report(args, results: dict[str, Result], extras: dict[str, dict], total_s: f
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="50m", help="GPT preset (tiny, mini, small, 50m)")
-    ap.add_argument("--steps", type=int, default=5, help="measured steps per round")
-    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--bf16", action="store_true", help="bf16 compute (see module docstring)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="smoke run: 'mini' preset, seq 64, 1 warmup + 3 steps")
+    add_common_arguments(ap)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; steps of all rounds pooled")
     ap.add_argument("--quiet-wait", type=float, default=10.0,
                     help="before each variant, wait up to this many seconds for other programs to go quiet")
@@ -438,12 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="stage3_param_persistence_threshold (default 1e5)")
     ap.add_argument("--only", default="", help="run only this variant (fsdp2 or zs3); no ratios")
     ap.add_argument("--verbose", action="store_true", help="show zeroshard's start-up banner")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.preset, args.seq_len, args.warmup, args.steps, args.rounds = "mini", 64, 1, 3, 1
-        args.quiet_wait = 0.0
-    if args.steps < 1 or args.rounds < 1:
-        ap.error("--steps and --rounds must be >= 1")
+    args = parse_common(ap, argv)
     names = [args.only] if args.only else ["fsdp2", "zs3"]
 
     started = time.perf_counter()

@@ -506,16 +506,32 @@ def report(args, results: list[Result], total_s: float, world: int = 2) -> None:
                   f"{datetime.datetime.now().isoformat(timespec='seconds')})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_common_arguments(ap: argparse.ArgumentParser) -> None:
+    """Options both benches share (the model, the batch, the smoke run)."""
     ap.add_argument("--preset", default="50m", help="GPT preset (tiny, mini, small, 50m)")
-    ap.add_argument("--steps", type=int, default=5, help="measured steps")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per round")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (see module docstring)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 'mini' preset, seq 64, 1 warmup + 3 steps")
+
+
+def parse_common(ap: argparse.ArgumentParser, argv: list[str] | None):
+    """Parse, apply --quick, check the counts."""
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.seq_len, args.warmup, args.steps, args.rounds = "mini", 64, 1, 3, 1
+        args.quiet_wait = 0.0
+    if args.steps < 1 or args.rounds < 1:
+        ap.error("--steps and --rounds must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(ap)
     ap.add_argument("--rounds", type=int, default=3,
                     help="repeat the whole set of variants this many times, interleaved; steps of all rounds pooled")
     ap.add_argument("--quiet-wait", type=float, default=10.0,
@@ -524,12 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the extra stage-2 row with DeepSpeed's default bucket sizes (5e8 elements)")
     ap.add_argument("--only", default="", help="comma-separated subset of variants (ddp is always run)")
     ap.add_argument("--verbose", action="store_true", help="show zeroshard's start-up banner")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.preset, args.seq_len, args.warmup, args.steps, args.rounds = "mini", 64, 1, 3, 1
-        args.quiet_wait = 0.0
-    if args.steps < 1 or args.rounds < 1:
-        ap.error("--steps and --rounds must be >= 1")
+    args = parse_common(ap, argv)
 
     variants = [Variant("ddp", "ddp"), Variant("zero-red", "zero-red"),
                 Variant("zs0", "zs", 0), Variant("zs1", "zs", 1), Variant("zs2", "zs", 2)]

@@ -58,7 +58,16 @@ def _warmup_fraction(it: int, warmup_num_steps: int, warmup_type: str) -> float:
     return it / warmup_num_steps
 
 
-class WarmupLR(LRScheduler):
+class _DeepSpeedSchedule(LRScheduler):
+    """What DeepSpeed's schedules share: their step counter."""
+
+    @property
+    def last_batch_iteration(self) -> int:
+        """DeepSpeed's step counter: -1 before the first `step()`."""
+        return self.last_epoch - 1
+
+
+class WarmupLR(_DeepSpeedSchedule):
     """From `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then constant."""
 
     def __init__(
@@ -76,11 +85,6 @@ class WarmupLR(LRScheduler):
         self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
         self.warmup_type = warmup_type
         super().__init__(optimizer)
-
-    @property
-    def last_batch_iteration(self) -> int:
-        """DeepSpeed's step counter: -1 before the first `step()`."""
-        return self.last_epoch - 1
 
     def _gamma(self, it: int) -> float:
         if it < self.warmup_num_steps:
@@ -117,7 +121,7 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, (self.total_num_steps - it) / decay_steps)
 
 
-class WarmupCosineLR(LRScheduler):
+class WarmupCosineLR(_DeepSpeedSchedule):
     """Ratio of the optimizer's lr: warmup from `warmup_min_ratio` to 1, cosine down to `cos_min_ratio`."""
 
     def __init__(
@@ -135,11 +139,6 @@ class WarmupCosineLR(LRScheduler):
         self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
         self.warmup_type = warmup_type
         super().__init__(optimizer)
-
-    @property
-    def last_batch_iteration(self) -> int:
-        """DeepSpeed's step counter: -1 before the first `step()`."""
-        return self.last_epoch - 1
 
     def lr_ratio(self, it: int) -> float:
         if it < 0:
