@@ -15,7 +15,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 
 import zeroshard
@@ -136,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeroshard.cli.train_worker")
     add_train_arguments(parser)
     parser.add_argument("--nproc", type=int, default=1)
-    args = parser.parse_args(argv)
-    try:
-        return train(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return train(parser.parse_args(argv))  # the engine's Topology destroys the group it made
 
 
 if __name__ == "__main__":

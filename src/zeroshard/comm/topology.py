@@ -7,7 +7,9 @@ It remembers whether it created the group, and only then destroys it.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -37,6 +39,33 @@ class Topology:
         """Destroy the default group, but only if this topology created it."""
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+            _created.clear()
+
+
+_created: list[bool] = []  # non-empty while a group zeroshard created is alive
+
+# Modules torch imports lazily on first use (building any torch.optim optimizer imports
+# torch._dynamo). Imported after the process group exists, they keep a reference to it that
+# destroy_process_group() does not drop: its gloo threads then live on into interpreter
+# shutdown, where their destruction sometimes aborts the process ("terminate called without
+# an active exception", SIGABRT) after training succeeded. Imported first, they hold nothing.
+_IMPORT_BEFORE_GROUP = ("torch._dynamo",)
+
+
+def _import_lazy_torch_modules() -> None:
+    for name in _IMPORT_BEFORE_GROUP:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a torch build without it has nothing to capture the group either
+            pass
+
+
+def _destroy_at_exit() -> None:
+    """The group zeroshard created is destroyed before interpreter shutdown even when the
+    script never called `engine.close()`."""
+    if _created and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _created.clear()
 
 
 def world_size_hint() -> int:
@@ -70,7 +99,11 @@ def setup_topology(timeout_s: float) -> Topology:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         device = _device_for(local_rank, backend)
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        _import_lazy_torch_modules()
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        atexit.unregister(_destroy_at_exit)  # once, however many groups a process makes in turn
+        atexit.register(_destroy_at_exit)
+        _created[:] = [True]
         owns = True
     backend = dist.get_backend()
     device = _device_for(local_rank, "nccl" if "nccl" in str(backend) else "gloo")

@@ -1,0 +1,51 @@
+"""A job that trained must also exit cleanly. Building a torch optimizer imports torch._dynamo
+lazily; imported after the process group exists, it kept the group (and its gloo threads)
+alive past destroy_process_group(), into interpreter shutdown, where rank 0 of the main job
+sometimes died with SIGABRT ("terminate called without an active exception") after its
+summary had printed. zeroshard imports those modules before it creates the group, destroys
+the group it made in `close()` and, if a script never calls it, at exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.exit_probe import gloo_threads, train_a_little
+
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_probe.py")
+
+
+def _threads_left_after_close(rank, world, stage):
+    engine = train_a_little(stage)
+    before = len(gloo_threads())
+    engine.close()
+    return before, gloo_threads()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_close_leaves_no_gloo_thread_behind(stage):
+    for before, left in run_ranks(_threads_left_after_close, 2, stage):
+        assert before > 0  # the probe sees the group's threads while it lives
+        assert left == [], f"threads of a destroyed process group still run: {left}"
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["close", "no-close"])
+def test_plain_script_exits_zero_three_times_in_a_row(close, tmp_path):
+    for run in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", PROBE,
+             *([] if close else ["--no-close"])],
+            capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"run {run + 1}: exit {proc.returncode}\n{out[-3000:]}"
+        assert "terminate called" not in out and out.count("trained") == 2, out[-3000:]
+        if close:
+            assert "gloo threads after close: 0" in proc.stdout, out[-3000:]
