@@ -17,8 +17,12 @@ from zeroshard.estimate import (
     GPUS, INTER_NODE_LINKS, Cluster, ModelShape, OffloadDevice, Stage, Strategy, Workload, evaluate, gpu_spec,
     inter_node_link, parse_bytes, shape_from_callable, shape_from_hf_config, shape_from_params,
 )
+from zeroshard.estimate.lora import (
+    add_adapters, lora_from_hf_config, lora_from_module, lora_from_shape, parse_targets,
+)
+from zeroshard.estimate.model_size import build_on_meta, load_config
 from zeroshard.estimate.planner import NVME_SUB_GROUP_SIZE, _bucket_sizes
-from zeroshard.estimate.units import GIB
+from zeroshard.estimate.units import GIB, parse_count
 from zeroshard.policies import ConfigError, ZeroShardError
 
 DEFAULT_GPU = "a100-80gb"
@@ -36,6 +40,13 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--hidden", type=int, help="hidden size (activations, bucket sizes)")
     m.add_argument("--heads", type=int, help="attention heads")
     m.add_argument("--vocab", type=int, help="vocabulary size (logits)")
+    a = p.add_argument_group("adapters (frozen base + trainable adapters; see docs/lora.md)")
+    ad = a.add_mutually_exclusive_group()
+    ad.add_argument("--lora", type=int, metavar="R", help="LoRA adapters of rank R on a frozen base")
+    ad.add_argument("--trainable-params", metavar="N",
+                    help="N trainable adapter parameters (e.g. 20M) on a frozen base, for other adapter kinds")
+    a.add_argument("--lora-targets", metavar="M1,M2",
+                   help="modules LoRA adapts, e.g. q_proj,v_proj or all-linear (default: peft's for the model type)")
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=1)
     c.add_argument("--gpus-per-node", type=int, default=1)
@@ -66,11 +77,38 @@ def read_shape(args) -> ModelShape:
         if v is not None and v <= 0:
             raise ConfigError(f"--{k} must be positive, got {v}")
     if args.params is not None:
-        return shape_from_params(args.params, **kw)
-    if args.hf_config is not None:
+        shape = shape_from_params(args.params, **kw)
+    elif args.hf_config is not None:
         shape = shape_from_hf_config(args.hf_config)
-        return replace(shape, **{k: v for k, v in kw.items() if v})
-    return shape_from_callable(args.model, **kw)
+        shape = replace(shape, **{k: v for k, v in kw.items() if v})
+    else:
+        shape = shape_from_callable(args.model, **kw)
+    return with_adapters(shape, args)
+
+
+def with_adapters(shape: ModelShape, args) -> ModelShape:
+    """--lora R / --trainable-params N: adapters added to the frozen base."""
+    lora, extra, targets = getattr(args, "lora", None), getattr(args, "trainable_params", None), \
+        getattr(args, "lora_targets", None)
+    if targets is not None and lora is None:
+        raise ConfigError("--lora-targets needs --lora R (the adapter rank)")
+    if extra is not None:
+        n = parse_count(extra)
+        if n <= 0:
+            raise ConfigError(f"--trainable-params must be positive, got {extra!r}")
+        return add_adapters(shape, n, f"+{n:,} trainable adapter params (--trainable-params), base frozen")
+    if lora is None:
+        return shape
+    if lora < 1:
+        raise ConfigError(f"--lora {lora}: the adapter rank must be at least 1")
+    wanted = parse_targets(targets)
+    if args.hf_config is not None:
+        count = lora_from_hf_config(load_config(args.hf_config), lora, wanted)
+    elif args.model is not None:
+        count = lora_from_module(build_on_meta(args.model), lora, wanted)
+    else:
+        count = lora_from_shape(shape, lora, wanted)
+    return add_adapters(shape, count.params, f"+{count.params:,} trainable: {count.describe()}, base frozen")
 
 
 def read_cluster(args) -> Cluster:
@@ -142,7 +180,9 @@ def all_candidates(shape, cluster, work):
 
 def describe(shape: ModelShape, cluster: Cluster, work: Workload) -> str:
     guess = " (layers/hidden inferred from the count)" if shape.shape_inferred else ""
-    return (f"model {shape.params:,} params, largest unit {shape.largest_unit:,}, {shape.layers} layers x "
+    frozen = (f" ({shape.frozen_params:,} frozen in {work_dtype(work)}, {shape.trainable_params:,} trainable)"
+              if shape.frozen_params else "")
+    return (f"model {shape.params:,} params{frozen}, largest unit {shape.largest_unit:,}, {shape.layers} layers x "
             f"hidden {shape.hidden}{guess} [{shape.source}]\n"
             f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.name} "
             f"({gib(cluster.gpu.memory)} GiB), N = {cluster.world_size}, host {gib(cluster.host_mem)} GiB/node, "
@@ -151,6 +191,10 @@ def describe(shape: ModelShape, cluster: Cluster, work: Workload) -> str:
             f"{Strategy(precision=work.precision, optimizer=work.optimizer, optimizer_bytes=work.optimizer_bytes).k}"
             f" bytes/param), seq {work.seq}, micro-batch {work.micro_batch}, grad-accum "
             f"{work.gradient_accumulation_steps}")
+
+
+def work_dtype(work: Workload) -> str:
+    return work.precision.value
 
 
 def candidate_table(cands, title: str) -> Table:
@@ -196,7 +240,8 @@ def run(args) -> int:
     shape, cluster, work = read_shape(args), read_cluster(args), read_workload(args)
     cands = all_candidates(shape, cluster, work)
     if args.json:
-        print(json.dumps({"model": {"params": shape.params, "largest_unit": shape.largest_unit,
+        print(json.dumps({"model": {"params": shape.params, "trainable": shape.trainable_params,
+                                    "frozen": shape.frozen_params, "largest_unit": shape.largest_unit,
                                     "largest_layer": shape.largest_layer, "layers": shape.layers,
                                     "hidden": shape.hidden, "heads": shape.heads, "vocab": shape.vocab,
                                     "source": shape.source, "shape_inferred": shape.shape_inferred},

@@ -107,7 +107,14 @@ def _quantized_bytes(elements: int, bits: int, n_shards: int) -> int:
 
 
 def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: int,
-                  gradient_accumulation_steps: int = 1, layout: BucketPlan | None = None) -> CommEstimate:
+                  gradient_accumulation_steps: int = 1, layout: BucketPlan | None = None,
+                  frozen: int = 0) -> CommEstimate:
+    """`params`: the trainable elements (gradients, optimizer); `frozen`: parameters that
+    never change (a LoRA base). Only stage 3 moves frozen parameters (gathered in forward
+    and backward); gradients and the stage 1/2 re-publication cover trainable ones only.
+    Paper units are in Φ = params + frozen."""
+    if frozen < 0:
+        raise ConfigError(f"frozen parameter count must not be negative, got {frozen}")
     if gradient_accumulation_steps < 1:
         raise ConfigError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
     s, gas = strategy, gradient_accumulation_steps
@@ -123,6 +130,7 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
     else:
         padded = params if s.stage == Stage.DATA_PARALLEL else shard(params, n) * n
         buckets = gathers = 1
+    gathered = padded + (shard(frozen, n) * n if frozen else 0)  # stage 3 gathers frozen units too
     dtype = s.precision.value
     pb, gb = s.param_bytes, s.grad_bytes
     out: list[Collective] = []
@@ -151,19 +159,19 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
         add("step", "all_gather", "updated parameters", 1, padded, pb * padded, False, launches=gathers)
     else:
         if s.quantized_weights:
-            add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, padded,
-                _quantized_bytes(padded, 8 * INT8_BYTES, n), True, dtype_="int8")
+            add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered,
+                _quantized_bytes(gathered, 8 * INT8_BYTES, n), True, dtype_="int8")
         else:
-            add("forward", "all_gather", "parameters", gas, padded, pb * padded, True)
+            add("forward", "all_gather", "parameters", gas, gathered, pb * gathered, True)
         if s.hpz_partition_size > 1:
             hp = s.hpz_partition_size
             if gpus_per_node % hp:
                 raise ConfigError(f"zero_hpz_partition_size {hp} must divide gpus per node {gpus_per_node}")
-            hp_padded = shard(params, hp) * hp
+            hp_padded = shard(params + frozen, hp) * hp
             add("backward", "all_gather", f"parameters (hpZ, within {hp} ranks)", gas, hp_padded,
                 pb * hp_padded, True, group_nodes=1, group_per_node=hp)
         else:
-            add("backward", "all_gather", "parameters", gas, padded, pb * padded, True)
+            add("backward", "all_gather", "parameters", gas, gathered, pb * gathered, True)
         if s.quantized_gradients:
             # hop 1: all-to-all inside the node of the full gradient, int4 + scales;
             # hop 2: all-to-all across nodes of the node-reduced 1/k slice, int4 + scales.
@@ -176,5 +184,5 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
             add("backward", "reduce_scatter", "gradients", gas, padded, gb * padded, True)
     if s.stage >= Stage.OPTIMIZER_STATES and (s.compute_grad_norm or s.precision == Precision.FP16) and n > 1:
         add("step", "all_reduce", "global gradient norm", 1, 1, FP32_BYTES, False, dtype_="fp32")
-    return CommEstimate(collectives=tuple(out), params=params)
+    return CommEstimate(collectives=tuple(out), params=params + frozen)
 

@@ -225,18 +225,26 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
     if n < 1:
         raise ConfigError(f"data-parallel size must be >= 1, got {n}")
     s, phi = strategy, shape.params
+    phi_t, frozen = shape.trainable_params, shape.frozen_params  # LoRA: adapters, frozen base
     st, k, pb, gb = s.stage, s.k, s.param_bytes, s.grad_bytes
     if layout is not None and layout.shard_count != shard_count_for_stage(st, n):
         raise ConfigError(f"layout is split {layout.shard_count} ways; stage {int(st)} on {n} ranks splits "
                           f"{shard_count_for_stage(st, n)} ways (plan it with plan_layout for this stage)")
-    full = layout.padded_total if layout is not None else phi  # elements of each full (unsharded) state
-    own = layout.shard_total if layout is not None else shard(phi, n)  # elements of each sharded state
+    # Trainable elements of each full (unsharded) state, and of each sharded one.
+    full = layout.padded_total if layout is not None else phi_t
+    own = layout.shard_total if layout is not None else shard(phi_t, n)
     notes: list[str] = []
     host = nvme = 0
 
-    params = pb * (own if st >= Stage.PARAMETERS else full)
+    # The frozen base has parameters only (compute dtype): whole at stages 0-2, sharded at 3.
+    frozen_held = shard(frozen, n) if st >= Stage.PARAMETERS else frozen
+    params = pb * ((own if st >= Stage.PARAMETERS else full) + frozen_held)
     grads = gb * (own if st >= Stage.GRADIENTS else full)
     opt = k * (own if st >= Stage.OPTIMIZER_STATES else full)
+    if frozen:
+        notes.append(f"frozen base {frozen:,} params: {pb} bytes each"
+                     f"{', sharded' if st >= Stage.PARAMETERS else ', whole on every rank'}; "
+                     f"{phi_t:,} trainable: {pb} + {gb} + {k} bytes each")
 
     if s.offload_optimizer != OffloadDevice.NONE:
         # ZeRO-Offload: the CPU optimizer steps an fp32 gradient partition in host memory;
@@ -265,18 +273,18 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         unit = shape.largest_unit
         in_flight = unit + min(s.prefetch_bucket_size, unit)
         live = pb * min(phi, max(unit, min(in_flight, s.max_live_parameters)))
-        buffers = gb * unit  # the unit's full gradient, until its reduce-scatter completes
+        buffers = gb * shape.largest_unit_trainable  # the unit's full gradient, until its reduce-scatter
         if s.offload_param == OffloadDevice.CPU:
             host += params
             params = 0
         elif s.offload_param == OffloadDevice.NVME:
             nvme += params
-            host += s.param_buffer_count * pb * min(s.param_buffer_size, own)
+            host += s.param_buffer_count * pb * min(s.param_buffer_size, own + frozen_held)
             params = 0
             notes.append("parameter shards on NVMe, fetched through pinned host buffers")
         notes.append("stage 3: small parameters kept whole (param_persistence_threshold) not counted")
     else:
-        buffers = _stage012_buffers(s, phi, n, full, own, layout)
+        buffers = _stage012_buffers(s, phi_t, n, full, own, layout)
 
     return MemoryEstimate(params=params, grads=grads, optimizer_states=opt, hpz_secondary=hpz,
                           live_params=live, buffers=buffers,

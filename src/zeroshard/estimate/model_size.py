@@ -20,7 +20,7 @@ from zeroshard.estimate.units import parse_count
 
 __all__ = [
     "ModelShape", "shape_from_params", "shape_from_hf_config", "shape_from_callable",
-    "count_hf_config", "ANALYTIC_MODEL_TYPES", "KAPLAN_ASPECT_RATIO", "DEFAULT_VOCAB",
+    "count_hf_config", "build_on_meta", "load_config", "ANALYTIC_MODEL_TYPES", "KAPLAN_ASPECT_RATIO", "DEFAULT_VOCAB",
 ]
 
 # Kaplan et al. 2020 ("Scaling Laws", sec. 3.1): loss is flat for d_model / n_layer in
@@ -45,10 +45,31 @@ class ModelShape:
     vocab: int
     source: str
     shape_inferred: bool = False  # layers/hidden guessed from the count, not read
+    # Trainable parameters (LoRA adapters, --trainable-params); None: all of `params` train.
+    # The rest is the frozen base: compute-dtype bytes only, no gradient, no optimizer state.
+    trainable: int | None = None
 
     def __post_init__(self) -> None:
         if self.params <= 0:
             raise ConfigError(f"model has no parameters ({self.params}); nothing to estimate")
+        if self.trainable is not None and not 0 < self.trainable <= self.params:
+            raise ConfigError(f"trainable parameters must be in (0, {self.params:,}], got {self.trainable:,}")
+
+    @property
+    def trainable_params(self) -> int:
+        return self.params if self.trainable is None else self.trainable
+
+    @property
+    def frozen_params(self) -> int:
+        return self.params - self.trainable_params
+
+    @property
+    def largest_unit_trainable(self) -> int:
+        """Trainable elements of the largest gather unit (its gradient at stage 3): the
+        trainable share of the model, spread evenly over the units."""
+        if self.trainable is None:
+            return self.largest_unit
+        return -(-self.largest_unit * self.trainable // self.params)
 
 
 def shape_from_params(count: str | int, layers: int | None = None, hidden: int | None = None,
@@ -78,7 +99,7 @@ def shape_from_params(count: str | int, layers: int | None = None, hidden: int |
 ANALYTIC_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
 
 
-def _load_config(path: str) -> dict:
+def load_config(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     try:
@@ -148,7 +169,7 @@ def _count_with_transformers(cfg: dict) -> tuple[int, int, int]:
 def shape_from_hf_config(path: str, use_transformers: bool | None = None) -> ModelShape:
     """Count a HF config. `use_transformers`: None = analytic when the type is known,
     else transformers on the meta device if installed."""
-    cfg = _load_config(path)
+    cfg = load_config(path)
     mt = cfg["model_type"]
     analytic = mt in ANALYTIC_MODEL_TYPES and use_transformers is not True
     if analytic:
@@ -217,10 +238,8 @@ def _count_module(model) -> tuple[int, int, int]:
     return total, max(units), largest_layer
 
 
-def shape_from_callable(spec: str, layers: int | None = None, hidden: int | None = None,
-                        heads: int | None = None, vocab: int | None = None) -> ModelShape:
-    """`package.module:callable` returning an nn.Module (or an nn.Module class), built
-    on the meta device: no memory, no weights."""
+def build_on_meta(spec: str):
+    """The nn.Module `package.module:callable` builds, on the meta device."""
     import torch
     import torch.nn as nn
 
@@ -238,6 +257,14 @@ def shape_from_callable(spec: str, layers: int | None = None, hidden: int | None
         raise ConfigError(f"{spec!r} failed when called with no arguments: {type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{spec!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def shape_from_callable(spec: str, layers: int | None = None, hidden: int | None = None,
+                        heads: int | None = None, vocab: int | None = None) -> ModelShape:
+    """`package.module:callable` returning an nn.Module (or an nn.Module class), built
+    on the meta device: no memory, no weights."""
+    model = build_on_meta(spec)
     params, unit, layer = _count_module(model)
     if params == 0:
         raise ConfigError(f"{spec!r} built a module with no parameters")

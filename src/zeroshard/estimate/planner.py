@@ -111,8 +111,8 @@ def evaluate(shape: ModelShape, strategy: Strategy, cluster: Cluster, work: Work
                             checkpointing=strategy.activation_checkpointing,
                             flash_attention=work.flash_attention, act_bytes=strategy.param_bytes)
     mem = estimate_memory(shape, strategy, cluster.world_size, cluster.gpus_per_node, acts)
-    comm = estimate_comm(shape.params, strategy, cluster.nodes, cluster.gpus_per_node,
-                         work.gradient_accumulation_steps)
+    comm = estimate_comm(shape.trainable_params, strategy, cluster.nodes, cluster.gpus_per_node,
+                         work.gradient_accumulation_steps, frozen=shape.frozen_params)
     t = estimate_time(shape, strategy, cluster, comm, work.seq, work.micro_batch, work.gradient_accumulation_steps)
     return Candidate(strategy, mem, comm, t, device_budget(cluster.gpu.memory), host_budget(cluster.host_mem),
                      cluster.nvme)
@@ -130,12 +130,24 @@ _ROUTE = (  # (stage, offload_optimizer, offload_param), grouped into tiers
 )
 
 
-def candidate_strategies(work: Workload, hidden: int | None = None) -> list[list[Strategy]]:
-    """The route as tiers of strategies, each tier without then with checkpointing."""
+# With a frozen base (LoRA) the optimizer states are a few MB: offloading them buys almost
+# nothing, while the base's parameters (2 bytes each) are what must leave the device. So the
+# host tier adds stage 3 with only the parameters offloaded, and the NVMe tier offloads
+# the parameters (the optimizer stays on the device or goes to the host).
+_LORA_ROUTE = (
+    ((0, N, N), (1, N, N), (2, N, N), (3, N, N)),
+    ((1, C, N), (2, C, N), (3, C, N), (3, N, C), (3, C, C)),
+    ((3, N, V), (3, C, V), (3, V, V)),
+)
+
+
+def candidate_strategies(work: Workload, hidden: int | None = None, frozen_base: bool = False) -> list[list[Strategy]]:
+    """The route as tiers of strategies, each tier without then with checkpointing
+    (`frozen_base`: the LoRA route, `_LORA_ROUTE`)."""
     buckets = _bucket_sizes(hidden)
     ac_options = [work.activation_checkpointing] if work.activation_checkpointing is not None else [False, True]
     tiers = []
-    for tier in _ROUTE:
+    for tier in (_LORA_ROUTE if frozen_base else _ROUTE):
         for ac in ac_options:
             tiers.append([_base(work, stage=Stage(st), offload_optimizer=oo, offload_param=op,
                                 activation_checkpointing=ac, **buckets,
@@ -186,29 +198,52 @@ class Plan:
 
 
 def _first_fit(shape, cluster, work, record: list | None = None) -> Candidate | None:
-    for tier in candidate_strategies(work, shape.hidden):
+    """The first candidate of the route that fits. With a frozen base (LoRA) the whole
+    tier of the first fit is evaluated and its fastest fitting candidate wins (ties: the
+    earlier one), since offloading parameters and offloading a few MB of optimizer
+    states cost very different times."""
+    lora = shape.frozen_params > 0
+    for tier in candidate_strategies(work, shape.hidden, frozen_base=lora):
+        best = None
         for s in tier:
             c = evaluate(shape, s, cluster, work)
             if record is not None:
                 record.append(c)
             if c.fits:
-                return c
+                if not lora:
+                    return c
+                if best is None or c.time.step < best.time.step:
+                    best = c
+        if best is not None:
+            return best
     return None
 
 
 def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
     p = Plan(shape, cluster, work)
     winner = _first_fit(shape, cluster, work, p.candidates)
-    for c in p.candidates[:-1] if winner else p.candidates:
-        p.route.append(f"{c.label()}: rejected, {c.why_not()}")
     if winner is None:
+        p.route += [f"{c.label()}: rejected, {c.why_not()}" for c in p.candidates]
         p.route.append("nothing fits this cluster")
         p.smallest_fit = smallest_cluster(shape, cluster, work)
         return p
-    why = "smallest stage that fits" if winner.strategy.offload_optimizer == OffloadDevice.NONE else \
+    offloaded = OffloadDevice.NONE != winner.strategy.offload_optimizer or \
+        winner.strategy.offload_param != OffloadDevice.NONE
+    why = "smallest stage that fits" if not offloaded else \
         "nothing fits on the devices alone, so states go to host/NVMe"
-    p.route.append(f"{winner.label()}: fits ({winner.memory.device_total / GIB:.1f} of "
-                   f"{winner.device_budget / GIB:.1f} GiB usable per device); {why}")
+    if shape.frozen_params > 0:
+        why = "the fastest that fits in its tier of the route" + (
+            "; nothing fits on the devices alone, so states go to host/NVMe" if offloaded else "")
+    for c in p.candidates:
+        if c is winner:
+            p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} of "
+                           f"{c.device_budget / GIB:.1f} GiB usable per device); {why}")
+        elif c.fits:  # LoRA: another fit in the winner's tier
+            slower = "same step time, the earlier in the route wins" if c.time.step <= winner.time.step else \
+                f"slower: {c.time.step:.2f} s per step vs {winner.time.step:.2f} s"
+            p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} GiB per device), {slower}")
+        else:
+            p.route.append(f"{c.label()}: rejected, {c.why_not()}")
     s = winner.strategy
     if s.stage == Stage.PARAMETERS and not s.zeropp and cluster.nodes > 1:
         share = winner.time.comm_inter / winner.time.step
@@ -231,7 +266,7 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
                    f"{winner.time.step:.2f} s per step")
     # The other candidates of the winner's tier, for comparison in the table.
     seen = {c.label() for c in p.candidates}
-    for tier in candidate_strategies(work, shape.hidden):
+    for tier in candidate_strategies(work, shape.hidden, frozen_base=shape.frozen_params > 0):
         for st in tier:
             c = evaluate(shape, st, cluster, work)
             if c.label() not in seen and c.fits:

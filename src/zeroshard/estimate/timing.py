@@ -27,14 +27,18 @@ __all__ = ["TimeEstimate", "estimate_time", "flops_per_token", "FLOPS_PER_PARAM_
 
 FLOPS_PER_PARAM_PER_TOKEN = 6  # 2 forward + 4 backward (Kaplan et al. 2020, sec. 2.1)
 RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN = 2  # one more forward under activation checkpointing
+FROZEN_SKIPPED_FLOPS_PER_PARAM_PER_TOKEN = 2  # no weight gradient for a frozen parameter
 ATTENTION_FLOPS_COEF = 12  # 12 * L * h * s per token (nanoGPT estimate_mfu; PaLM appendix B)
 BACKWARD_FRACTION = 2 / 3  # share of the step's compute in backward
 
 
 def flops_per_token(shape: ModelShape, seq: int, checkpointing: bool) -> float:
+    """A frozen parameter (LoRA base) skips its weight gradient, 2 of its 6 FLOPs per token:
+    the backward still carries the activation gradient through it."""
     scale = (FLOPS_PER_PARAM_PER_TOKEN + (RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN if checkpointing else 0))
     scale /= FLOPS_PER_PARAM_PER_TOKEN
-    return scale * (FLOPS_PER_PARAM_PER_TOKEN * shape.params + ATTENTION_FLOPS_COEF * shape.layers * shape.hidden * seq)
+    dense = FLOPS_PER_PARAM_PER_TOKEN * shape.params + ATTENTION_FLOPS_COEF * shape.layers * shape.hidden * seq
+    return scale * dense - FROZEN_SKIPPED_FLOPS_PER_PARAM_PER_TOKEN * shape.frozen_params
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,8 @@ def estimate_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, comm:
     for phase, t in by_phase.items():
         exposed += max(0.0, t - hidden_window[phase])
 
-    own = shard(shape.params, n)
+    own = shard(shape.trainable_params, n)  # optimizer partition: trainable parameters only
+    own_params = own + shard(shape.frozen_params, n)  # stage-3 parameter shards, frozen base included
     pcie_bw = c.gpu.pcie_bw * ACHIEVED_LINK_FRACTION
     pcie = cpu = nvme = 0.0
     if s.offload_optimizer != OffloadDevice.NONE:
@@ -100,9 +105,9 @@ def estimate_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, comm:
             nvme += k_node * (2 * s.k + 2 * FP32_BYTES) * own / c.nvme_bw  # states and fp32 grads, read + write
     if s.offload_param != OffloadDevice.NONE:
         fetches = 2 * gas  # forward and backward gather of every unit
-        pcie += s.param_bytes * own * fetches / pcie_bw
-        if s.offload_param == OffloadDevice.NVME:
-            nvme += k_node * s.param_bytes * own * (fetches + 1) / c.nvme_bw
+        pcie += s.param_bytes * own_params * fetches / pcie_bw
+        if s.offload_param == OffloadDevice.NVME:  # read per fetch; only updated (trainable) shards written
+            nvme += k_node * s.param_bytes * (own_params * fetches + own) / c.nvme_bw
     return TimeEstimate(compute=compute, comm_total=comm_intra + comm_inter, comm_intra=comm_intra,
                         comm_inter=comm_inter, comm_exposed=exposed, pcie=pcie, cpu_optimizer=cpu, nvme=nvme,
                         tokens_per_step=tokens_rank * n)
