@@ -98,6 +98,8 @@ def test_cli_surface_is_frozen():
     common = ["--activation-checkpointing", "--cpu-mem", "--flops", "--gpu", "--gpu-mem", "--gpus-per-node",
               "--grad-accum", "--heads", "--help", "--hf-config", "--hidden", "--inter-node", "--inter-node-bw",
               "--json", "--layers", "--micro-batch", "--model", "--no-flash-attention", "--nodes", "--nvme",
-              "--optimizer", "--optimizer-bytes", "--params", "--precision", "--seq-len", "--vocab"]
+              "--optimizer", "--optimizer-bytes", "--params", "--precision", "--seq-len", "--vocab",
+              "--lora", "--lora-targets", "--trainable-params"]  # issue 14: adapters on a frozen base
+    common = sorted(common)
     assert opts["estimate"] == common
     assert opts["plan"] == sorted(common + ["--out", "--nvme-path"])
