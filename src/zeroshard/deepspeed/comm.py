@@ -1,0 +1,84 @@
+"""`deepspeed.comm` for scripts: rank, world size, barrier, and `init_distributed`.
+
+The process group is zeroshard's (`setup_topology`: the existing default group, else one
+made from torchrun's environment, gloo on CPU and NCCL on CUDA, else a single process).
+The barrier is a 1-element all-reduce through zeroshard's `Comm`, so it has a timeout
+and names itself if a rank never arrives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import Comm, CommLedger, setup_topology
+from zeroshard.policies import RuntimePolicy
+
+__all__ = ["barrier", "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_initialized"]
+
+log = logging.getLogger("zeroshard")
+_DEFAULT_TIMEOUT_S = RuntimePolicy().comm_timeout_s
+
+
+def _timeout_s(timeout) -> float:
+    if timeout is None:
+        return _DEFAULT_TIMEOUT_S
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True, timeout=None,
+                     init_method: str | None = None, dist_init_required: bool | None = None,
+                     config=None, rank: int = -1, world_size: int = -1) -> None:
+    """Join the process group torchrun describes (or run as one process without it).
+
+    zeroshard chooses the backend (NCCL on CUDA, gloo on CPU); a different `dist_backend`
+    is noted, not obeyed. `init_method`, `rank` and `world_size` are not taken: launch with
+    `zeroshard launch` or torchrun, which set the environment."""
+    if init_method is not None or rank >= 0 or world_size >= 0:
+        from zeroshard.policies import ConfigError
+
+        raise ConfigError("init_distributed(init_method=/rank=/world_size=) is not supported by zeroshard: "
+                          "launch with `zeroshard launch` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR "
+                          "and MASTER_PORT for every rank")
+    if dist_init_required is False:
+        return
+    topo = setup_topology(_timeout_s(timeout))
+    if dist_backend and topo.distributed and dist_backend != topo.backend:
+        log.info("init_distributed: backend %r asked for, zeroshard uses %r on this machine", dist_backend,
+                 topo.backend)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def barrier(group=None) -> None:
+    """Wait until every rank arrives (a no-op on one process). Only the default group."""
+    if group is not None:
+        from zeroshard.policies import ConfigError
+
+        raise ConfigError("comm.barrier(group=...) is not supported by zeroshard: only the default group")
+    if not is_initialized():
+        return
+    topo = setup_topology(_DEFAULT_TIMEOUT_S)  # the live group: nothing is created here
+    comm = Comm(topo, CommLedger(topo.world_size), _DEFAULT_TIMEOUT_S)
+    comm.all_reduce(torch.zeros(1, device=topo.device), what="deepspeed.comm.barrier()").wait()

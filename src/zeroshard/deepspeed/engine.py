@@ -1,0 +1,234 @@
+"""`DeepSpeedEngine`: zeroshard's Engine with the signatures DeepSpeed scripts call.
+
+A proxy, not a second engine: training, sharding, checkpoints and ledgers are the wrapped
+`zeroshard.Engine`'s; anything not defined here is looked up on it. What is defined
+here only translates DeepSpeed's arguments and return values:
+
+- `save_checkpoint(save_dir, tag, client_state, save_latest)` returns True, as DeepSpeed's;
+  `client_state` is stored as JSON (zeroshard never pickles), so it must be JSON-like.
+- `load_checkpoint(...)` returns `(path, client_state)`, and `(None, None)` with a warning
+  when there is nothing to load, as DeepSpeed does. It loads checkpoints of any world
+  size and stage (zeroshard reshards on load).
+- `save_16bit_model(save_dir, save_filename)` writes safetensors, never a pickle: a
+  `.bin` (or other non-safetensors) name is written as `model.safetensors`, with a note.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any
+
+from zeroshard.checkpoint.files import write_small
+from zeroshard.checkpoint.format import LATEST, META, OLD_PREFIX
+from zeroshard.checkpoint.reader import resolve
+from zeroshard.deepspeed import comm
+from zeroshard.deepspeed.config import unsupported
+from zeroshard.policies import ConfigError, Precision, Stage
+
+log = logging.getLogger("zeroshard")
+
+__all__ = ["DeepSpeedEngine"]
+
+_ONE_FILE = 2**62  # DeepSpeed writes one file: no shard size limit
+_TMP_16BIT = ".zeroshard-16bit-tmp"
+
+
+class DeepSpeedEngine:
+    """What `deepspeed.initialize` returns first. `engine.zeroshard` is the wrapped Engine."""
+
+    def __init__(self, engine, training_dataloader=None) -> None:
+        object.__setattr__(self, "zeroshard", engine)
+        object.__setattr__(self, "training_dataloader", training_dataloader)
+        object.__setattr__(self, "_step_applied", False)
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the proxy
+        return getattr(object.__getattribute__(self, "zeroshard"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__ or hasattr(type(self), name):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.zeroshard, name, value)
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedEngine(zeroshard stage {self.zero_optimization_stage()}, {self.world_size} rank(s))"
+
+    # -- the training loop ------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.zeroshard(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.zeroshard.forward(*args, **kwargs)
+
+    def backward(self, loss, allreduce_gradients: bool = True, release_loss: bool = False,
+                 retain_graph: bool = False, scale_wrt_gas: bool = True):
+        if not allreduce_gradients:
+            raise ConfigError("backward(allreduce_gradients=False) is not supported: zeroshard reduces "
+                              "gradients at the accumulation boundary (gradient_accumulation_steps)")
+        if not scale_wrt_gas:
+            raise ConfigError("backward(scale_wrt_gas=False) is not supported: zeroshard always divides the "
+                              "loss by gradient_accumulation_steps, as DeepSpeed does by default")
+        return self.zeroshard.backward(loss, retain_graph=retain_graph)
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        if lr_kwargs:
+            raise ConfigError("step(lr_kwargs=...) is not supported: zeroshard steps the LR scheduler "
+                              "without arguments")
+        engine = self.zeroshard
+        boundary = engine.is_gradient_accumulation_boundary()
+        skipped = engine.skipped_steps
+        engine.step()
+        object.__setattr__(self, "_step_applied", boundary and engine.skipped_steps == skipped)
+
+    def was_step_applied(self) -> bool:
+        """True when the last `step()` stepped the optimizer (an accumulation boundary
+        without fp16 overflow), as DeepSpeed's."""
+        return self._step_applied
+
+    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+        self.zeroshard.train(mode)
+        return self
+
+    def eval(self) -> "DeepSpeedEngine":
+        return self.train(False)
+
+    def train_batch(self, *args, **kwargs):
+        raise ConfigError(unsupported("the pipeline engine (engine.train_batch)"))
+
+    def eval_batch(self, *args, **kwargs):
+        raise ConfigError(unsupported("the pipeline engine (engine.eval_batch)"))
+
+    # -- accessors ----------------------------------------------------------------------------------
+    @property
+    def local_rank(self) -> int:
+        return self.zeroshard.topology.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.zeroshard.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.zeroshard.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1
+
+    @property
+    def global_samples(self) -> int:
+        return self.zeroshard.global_steps * self.zeroshard.train_batch_size()
+
+    def fp16_enabled(self) -> bool:
+        return self.zeroshard.settings.precision.compute == Precision.FP16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.zeroshard.settings.precision.compute == Precision.BF16
+
+    def zero_optimization(self) -> bool:
+        return self.zeroshard.settings.zero.stage != Stage.DATA_PARALLEL
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.zeroshard.settings.zero.stage)
+
+    def gradient_clipping(self) -> float:
+        return self.zeroshard.settings.gradient_clipping
+
+    def destroy(self) -> None:
+        self.zeroshard.close()
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Every rank writes its shards under `save_dir/<tag>` (default `global_step<N>`); with
+        `save_latest`, `latest` names the tag afterwards. Returns True."""
+        engine = self.zeroshard
+        save_dir = os.fspath(save_dir)
+        if exclude_frozen_parameters and engine.rank == 0:
+            log.info("save_checkpoint: exclude_frozen_parameters is not supported; frozen parameters are saved too")
+        latest = os.path.join(save_dir, LATEST)
+        previous = None
+        if not save_latest and engine.rank == 0 and os.path.isfile(latest):
+            with open(latest, "rb") as f:
+                previous = f.read()
+        engine.save_checkpoint(save_dir, None if tag is None else str(tag), client_state or {})
+        if not save_latest:
+            if engine.rank == 0:  # zeroshard always moves `latest`: put it back as it was
+                if previous is not None:
+                    write_small(latest, previous)
+                elif os.path.isfile(latest):
+                    os.remove(latest)
+            comm.barrier()
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Load a checkpoint saved at any world size and stage; returns `(path, client_state)`,
+        or `(None, None)` when `load_dir` has no such checkpoint (as DeepSpeed)."""
+        engine = self.zeroshard
+        if custom_load_fn is not None:
+            raise ConfigError("load_checkpoint(custom_load_fn=...) is not supported: zeroshard reads its own "
+                              "safetensors checkpoints")
+        load_dir = os.fspath(load_dir)
+        tag = None if tag is None else str(tag)
+        if _nothing_to_load(load_dir, tag):
+            if engine.rank == 0:
+                where = os.path.join(load_dir, tag) if tag is not None else os.path.join(load_dir, LATEST)
+                log.warning("load_checkpoint: %s does not exist; no checkpoint loaded", where)
+            return None, None
+        if not load_module_strict and engine.rank == 0:
+            log.info("load_checkpoint: load_module_strict=False is accepted, but zeroshard still requires the "
+                     "checkpoint's parameter names and shapes to match the model")
+        path = resolve(load_dir, tag)
+        counters = (engine.global_steps, engine.micro_steps, engine.skipped_steps)
+        if load_module_only:
+            load_optimizer_states = load_lr_scheduler_states = False
+        client = engine.load_checkpoint(load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        if load_module_only:  # DeepSpeed keeps the engine's step counters too
+            engine.global_steps, engine.micro_steps, engine.skipped_steps = counters
+        return path, client
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The weights in the compute dtype (fp32 training: fp32) as one safetensors file in
+        `save_dir`, written by rank 0; call on every rank. Returns True.
+
+        zeroshard never writes pickles: a `save_filename` not ending in `.safetensors` (DeepSpeed's
+        default `pytorch_model.bin`) is written as `model.safetensors`, which `transformers`'
+        `from_pretrained` and `safetensors.torch.load_file` read."""
+        engine = self.zeroshard
+        if exclude_frozen_parameters:
+            raise ConfigError("save_16bit_model(exclude_frozen_parameters=True) is not supported: zeroshard "
+                              "writes every weight of the model")
+        save_dir = os.fspath(save_dir)
+        target = save_filename if save_filename.endswith(".safetensors") else "model.safetensors"
+        if target != save_filename and engine.rank == 0:
+            log.warning("save_16bit_model: zeroshard writes safetensors, never a pickle: %s instead of %s "
+                        "(load it with safetensors.torch.load_file or transformers' from_pretrained)",
+                        os.path.join(save_dir, target), save_filename)
+        tmp = os.path.join(save_dir, _TMP_16BIT)
+        if engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        comm.barrier()
+        written = engine.save_16bit_model(tmp, max_shard_size=_ONE_FILE)
+        if engine.rank == 0:
+            for name in written:
+                os.replace(os.path.join(tmp, name), os.path.join(save_dir, target if name == "model.safetensors"
+                                                                  else name))
+            shutil.rmtree(tmp, ignore_errors=True)
+        comm.barrier()
+        return True
+
+    # DeepSpeed's older name
+    save_fp16_model = save_16bit_model
+
+
+def _nothing_to_load(load_dir: str, tag: str | None) -> bool:
+    if not os.path.isdir(load_dir):
+        return True
+    if tag is None:
+        return not (os.path.isfile(os.path.join(load_dir, LATEST)) or os.path.isfile(os.path.join(load_dir, META)))
+    return not (os.path.isdir(os.path.join(load_dir, tag)) or os.path.isdir(os.path.join(load_dir, OLD_PREFIX + tag)))

@@ -1,0 +1,103 @@
+"""`deepspeed.initialize` over `zeroshard.initialize`: the same 4-tuple, DeepSpeed's meaning.
+
+    engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
+        args=args, model=net, model_parameters=net.parameters(), training_data=trainset)
+
+- the config: `config` (dict or JSON path), else `config_params`, else `args.deepspeed_config`;
+- the optimizer: the config's `optimizer` section built over `model_parameters` (parameters
+  or param-group dicts; default: the model's trainable parameters), or `optimizer` (an
+  optimizer instance, or a callable called with `model_parameters`); rebuilt by zeroshard
+  over its fp32 shards with the same class, options and groups;
+- the scheduler: the config's `scheduler` section, or `lr_scheduler` (instance or callable);
+- the data loader: `training_data` with a DistributedSampler, micro-batch per rank
+  (see dataloader.py), or None.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.comm import world_size_hint
+from zeroshard.config import load_config
+from zeroshard.deepspeed.config import resolve_config, unsupported
+from zeroshard.deepspeed.dataloader import build_dataloader
+from zeroshard.deepspeed.engine import DeepSpeedEngine
+from zeroshard.optim.factory import build_optimizer
+from zeroshard.policies import ConfigError
+
+log = logging.getLogger("zeroshard")
+
+__all__ = ["initialize"]
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None):
+    """Returns `(engine, optimizer, training_dataloader, lr_scheduler)` as DeepSpeed does;
+    `engine` is a `DeepSpeedEngine` over a `zeroshard.Engine` (its `.zeroshard`)."""
+    if model is None:
+        raise ConfigError("initialize() needs a model (model=...)")
+    if mpu is not None:
+        raise ConfigError(unsupported("model parallelism (initialize(mpu=...))"))
+    if mesh_param is not None:
+        raise ConfigError(unsupported("tensor / sequence parallelism (initialize(mesh_param=...))"))
+    if type(model).__name__ == "PipelineModule":
+        raise ConfigError(unsupported("pipeline parallelism (a PipelineModule model)"))
+    raw = resolve_config(args, config, config_params)
+    drop_last = bool(raw.pop("dataloader_drop_last", False))  # the shim builds the loader, so it acts on it
+
+    opt_arg = optimizer
+    params = _as_list(model_parameters)
+    if optimizer is None and "optimizer" in raw and params is not None and not _is_all_trainable(params, model):
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        spec = load_config(raw, world_size_hint(), hidden_size=hidden).optimizer
+        opt_arg = build_optimizer(spec, params, "cuda" if torch.cuda.is_available() else "cpu")
+        raw = {k: v for k, v in raw.items() if k != "optimizer"}
+    elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and params is not None:
+        opt_arg = optimizer(params)  # DeepSpeed calls a client optimizer callable with model_parameters
+    if isinstance(opt_arg, torch.optim.Optimizer):
+        _freeze_unoptimized(model, opt_arg)
+
+    engine = zeroshard.initialize(model, raw, opt_arg, lr_scheduler)
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, engine.train_micro_batch_size_per_gpu(), engine.world_size,
+                                  engine.rank, collate_fn, drop_last)
+    return DeepSpeedEngine(engine, loader), engine.optimizer, loader, engine.lr_scheduler
+
+
+def _as_list(model_parameters) -> list[Any] | None:
+    if model_parameters is None:
+        return None
+    if torch.is_tensor(model_parameters) or isinstance(model_parameters, dict):
+        return [model_parameters]
+    return list(model_parameters)  # generators (model.parameters(), filter(...)) are read once
+
+
+def _is_all_trainable(params: list[Any], model: nn.Module) -> bool:
+    """One plain list of exactly the model's trainable parameters: the config path as is."""
+    if not all(torch.is_tensor(p) for p in params):
+        return False
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    return {id(p) for p in params} == trainable
+
+
+def _freeze_unoptimized(model: nn.Module, template: torch.optim.Optimizer) -> None:
+    """Trainable parameters outside the optimizer's groups never change under DeepSpeed;
+    zeroshard trains only what the optimizer holds, so they are frozen, with a note."""
+    held = {id(p) for group in template.param_groups for p in group["params"]}
+    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if not left:
+        return
+    for name, p in model.named_parameters():
+        if name in left:
+            p.requires_grad_(False)
+    more = f" (+{len(left) - 5} more)" if len(left) > 5 else ""
+    log.warning("initialize: %d trainable parameter(s) are not in model_parameters / the optimizer and will not "
+                "be trained; set requires_grad=False: %s%s", len(left), ", ".join(left[:5]), more)

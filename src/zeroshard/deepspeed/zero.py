@@ -1,0 +1,50 @@
+"""`deepspeed.zero` for scripts: `Init`, `GatheredParameters`, `register_external_parameter`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zeroshard
+from zeroshard.deepspeed.config import unsupported
+from zeroshard.policies import ConfigError
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter"]
+
+GatheredParameters = zeroshard.GatheredParameters  # same signature: (params, modifier_rank, fwd_module, enabled)
+
+_STAGE3_ONLY = {"zero_optimization": {"stage": 3}}
+
+
+class Init(zeroshard.Init):
+    """`with deepspeed.zero.Init(config_dict_or_path=ds_config): model = MyModel()`: each
+    submodule is sharded as it is built (zeroshard.Init). Without a config the model is built
+    for stage 3, as DeepSpeed's Init always partitions."""
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
+                 config: Any = None, enabled: bool = True, dtype=None, mpu=None, **kwargs: Any) -> None:
+        if module is not None:
+            raise ConfigError("zero.Init(module=...) (partitioning a model already built) is not supported: build "
+                              "the model inside `with zero.Init(...)`, or pass it to initialize() at stage 3, "
+                              "which shards it")
+        if mpu is not None:
+            raise ConfigError(unsupported("zero.Init(mpu=...) (model parallelism)"))
+        if data_parallel_group is not None:
+            raise ConfigError("zero.Init(data_parallel_group=...) is not supported: zeroshard shards over the "
+                              "default process group")
+        if remote_device not in (None, "none"):
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}) is not supported: zeroshard.Init keeps "
+                              "the shards on the device")
+        if dtype is not None:
+            raise ConfigError("zero.Init(dtype=...) is not supported: the precision comes from the config's "
+                              "fp16 / bf16 sections, applied by initialize()")
+        unknown = [k for k, v in kwargs.items() if v not in (None, False)]
+        if unknown:
+            raise ConfigError(f"zero.Init({', '.join(unknown)}=...) is not supported by zeroshard")
+        cfg = config_dict_or_path if config_dict_or_path is not None else config
+        super().__init__(cfg if cfg is not None else _STAGE3_ONLY, enabled)
+
+
+def register_external_parameter(module, parameter) -> None:
+    """Nothing to do: at stage 3 zeroshard finds parameters used outside their module's
+    forward and gathers them itself."""
