@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zeroshard.api.assembly import ModelParts
+from zeroshard.stages.assembly import ModelParts
 
 if TYPE_CHECKING:
     from zeroshard.api.engine import Engine

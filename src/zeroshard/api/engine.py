@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from zeroshard.api.assembly import (
+from zeroshard.stages.assembly import (
     broadcast_model,
     build_buckets,
     full_fp32_buckets,
@@ -40,7 +40,7 @@ from zeroshard.optim.sharded import ShardedOptimizer
 from zeroshard.optim.template import OptimizerArg, plan_optimizer
 from zeroshard.partition import MemoryLedger
 from zeroshard.policies import ConfigError, Settings, Stage
-from zeroshard.api.stage3_assembly import build_stage3, make_runtime
+from zeroshard.stages.stage3_assembly import build_stage3, make_runtime
 from zeroshard.stages import ParamPublisher, PartitionedParams, ReplicatedParams, build_gradients, shard_count_for
 
 log = logging.getLogger("zeroshard")

@@ -97,7 +97,7 @@ class GatheredParameters:
         return Comm(topology, CommLedger(topology.world_size), 600.0)
 
     def _enter_init(self) -> None:
-        from zeroshard.api.init import materialize
+        from zeroshard.partition.param_shards import materialize
 
         self._init_params = [p for p in self.params if shard_of(p) is not None]
         if self._init_params:

@@ -25,13 +25,13 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook
 from torch.overrides import TorchFunctionMode
 
 from zeroshard.comm import Comm, CommLedger, setup_topology, world_size_hint
 from zeroshard.config import load_config
-from zeroshard.partition.param_shards import shard_of, shard_parameter
+from zeroshard.partition.param_shards import materialize, shard_of, shard_parameter
 from zeroshard.policies import Stage
+from zeroshard.stages.hooks import on_module_attached
 
 
 class Init:
@@ -47,7 +47,7 @@ class Init:
             topology = setup_topology(self.settings.runtime.comm_timeout_s)
             self.comm = Comm(topology, CommLedger(topology.world_size), self.settings.runtime.comm_timeout_s)
             self.comm.where = "zeroshard.Init"
-            self._handle = register_module_module_registration_hook(self._on_attach)
+            self._handle = on_module_attached(self._on_attach)
             self._writes = _ShardedCalls(self.comm)
             self._writes.__enter__()
         return self
@@ -98,14 +98,3 @@ class _ShardedCalls(TorchFunctionMode):
                 if self.comm.world_size > 1:
                     self.comm.broadcast(p.data, 0, what="a write to a parameter under zeroshard.Init").wait()
                 shard_parameter(p, self.comm.rank, self.comm.world_size)
-
-
-def materialize(param: nn.Parameter, comm: Comm) -> bool:
-    """Give a parameter sharded by `Init` its full value again (all-gather). False if it was not."""
-    entry = shard_of(param)
-    if entry is None:
-        return False
-    full = torch.empty(entry.shard.numel() * entry.world_size, dtype=entry.shard.dtype, device=entry.shard.device)
-    comm.all_gather(full, entry.shard, what="materialize a parameter built under zeroshard.Init").wait()
-    param.data = full[: entry.numel].view(param.shape)
-    return True

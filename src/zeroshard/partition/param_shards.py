@@ -8,10 +8,14 @@ of the world size, is kept here, keyed weakly by the parameter (nothing is attac
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
 
 
 @dataclass
@@ -53,3 +57,14 @@ def shard_of(param: nn.Parameter) -> ParamShard | None:
 def forget(param: nn.Parameter) -> None:
     if shard_of(param) is not None:
         del _SHARDS[id(param)]
+
+
+def materialize(param: nn.Parameter, comm: "Comm") -> bool:
+    """Give a parameter sharded by `Init` its full value again (all-gather). False if it was not."""
+    entry = shard_of(param)
+    if entry is None:
+        return False
+    full = torch.empty(entry.shard.numel() * entry.world_size, dtype=entry.shard.dtype, device=entry.shard.device)
+    comm.all_gather(full, entry.shard, what="materialize a parameter built under zeroshard.Init").wait()
+    param.data = full[: entry.numel].view(param.shape)
+    return True

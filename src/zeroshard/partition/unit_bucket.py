@@ -37,10 +37,6 @@ class UnitBucket(FlatBucket):
     def device(self) -> torch.device:
         return self._device
 
-    @property
-    def gathered(self) -> bool:
-        return self.data is not None
-
     def to_dtype(self, dtype: torch.dtype) -> None:
         super().to_dtype(dtype)
         self._dtype = dtype

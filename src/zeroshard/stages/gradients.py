@@ -25,6 +25,7 @@ from torch import nn
 from zeroshard.comm import Comm, Handle
 from zeroshard.partition import FlatBucket, MemoryLedger, slot_views
 from zeroshard.policies import ZeroShardError
+from zeroshard.stages.hooks import Hooks
 
 # stage 2: buckets whose reduction may still run when the next one launches; with 1, at most
 # two full gradient buffers exist (one reducing, one filling). Stage 3 uses 0: a unit's
@@ -61,10 +62,10 @@ class BucketedGradients:
         self.reduce_dtype, self.overlap, self.ignore_unused = reduce_dtype, overlap, ignore_unused
         self._state = _MicroState()
         self._pending: list[_Pending] = []
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._hook(b, s))
-            for b, bucket in enumerate(buckets) for s, p in enumerate(bucket.params)
-        ]
+        self._hooks = Hooks()
+        for b, bucket in enumerate(buckets):
+            for s, p in enumerate(bucket.params):
+                self._hooks.after_grad_accumulated(p, self._hook(b, s))
 
     # -- engine-facing lifecycle --------------------------------------------------
     def begin_backward(self, boundary: bool, first_micro: bool) -> None:
@@ -96,9 +97,7 @@ class BucketedGradients:
             self._retire(self._pending.pop(0))
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._hooks.remove()
 
     # -- hooks ----------------------------------------------------------------------
     def _hook(self, b: int, s: int):

@@ -10,7 +10,7 @@ its active users. Hooks are registered here and only here, and their handles kep
   (`max_live_parameters`), and registers a hook on its outputs that gathers it again
   when backward reaches them.
 - backward: the unit is released once the gradients w.r.t. its inputs exist (an identity
-  autograd Function on the inputs tells), or at the end of backward. A forward that runs *during*
+  identity on the inputs tells: `hooks.after_inputs_grad`), or at the end of backward. A forward that runs *during*
   backward is an activation-checkpoint recompute: it gathers but never releases.
 - order: the first step records the sequence of gathers; later steps prefetch along it.
   A step whose sequence differs (control flow changed) stops prefetching for the rest
@@ -31,6 +31,7 @@ from zeroshard.comm import Comm, Handle
 from zeroshard.partition import MemoryLedger
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import Stage3Policy
+from zeroshard.stages.hooks import Hooks, after_inputs_grad, when_grad_reaches
 
 log = logging.getLogger("zeroshard")
 
@@ -45,6 +46,12 @@ class UnitState(enum.Enum):
     RELEASED = "released"
     GATHERING = "gathering"
     GATHERED = "gathered"
+
+
+# The only moves a unit makes. GATHERING -> RELEASED drops a prefetch nobody used (after its
+# all-gather finished: a collective is never abandoned half-way).
+_MOVES = {(UnitState.RELEASED, UnitState.GATHERING), (UnitState.GATHERING, UnitState.GATHERED),
+          (UnitState.GATHERED, UnitState.RELEASED), (UnitState.GATHERING, UnitState.RELEASED)}
 
 
 @dataclass
@@ -65,6 +72,17 @@ class Unit:
     def label(self) -> str:
         return self.name or "<root>"
 
+    def move(self, to: UnitState) -> None:
+        """The one place a unit's state changes; its buckets' storage must agree with it."""
+        if (self.state, to) not in _MOVES:
+            raise RuntimeError(f"stage 3: unit '{self.label}' cannot go from {self.state.value} to {to.value}; "
+                               "this is a zeroshard bug, please report it")
+        full = [b.data is not None for b in self.buckets]
+        if to is UnitState.GATHERED and not all(full) or to is UnitState.RELEASED and any(full):
+            raise RuntimeError(f"stage 3: unit '{self.label}' is {to.value} but its buckets say otherwise; "
+                               "this is a zeroshard bug, please report it")
+        self.state = to
+
 
 class Stage3Runtime:
     def __init__(self, units: list[Unit], comm: Comm, memory: MemoryLedger, policy: Stage3Policy,
@@ -75,7 +93,7 @@ class Stage3Runtime:
         self._recording: list[int] = []
         self._on_trace = False  # the step so far follows the record: prefetch is safe
         self._backward_pending = False  # a forward with grad ran; its backward has not
-        self._hooks = []
+        self._hooks = Hooks()
         for unit in units:
             self._register(unit.module, unit)
             for module in external_users.get(unit.index, []):
@@ -129,9 +147,7 @@ class Stage3Runtime:
             self._release(unit)
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._hooks.remove()
 
     # -- gathering ------------------------------------------------------------------------
     def gather(self, unit: Unit) -> None:
@@ -144,14 +160,14 @@ class Stage3Runtime:
                 handle.wait()
                 bucket.bind(full)
             unit.pending = []
-            unit.state = UnitState.GATHERED
+            unit.move(UnitState.GATHERED)
 
     def _start(self, unit: Unit) -> None:
         what = f"unit '{unit.label}' ({self.phase.value})"
         for bucket in unit.buckets:
             full = bucket.new_full()
             unit.pending.append((bucket, full, self.comm.all_gather(full, bucket.shard(), what=what)))
-        unit.state = UnitState.GATHERING
+        unit.move(UnitState.GATHERING)
 
     def _release(self, unit: Unit) -> None:
         if unit.state is UnitState.RELEASED or unit.index in self._pinned:
@@ -162,7 +178,7 @@ class Stage3Runtime:
             unit.pending = []
         for bucket in unit.buckets:
             bucket.release()
-        unit.state = UnitState.RELEASED
+        unit.move(UnitState.RELEASED)
 
     def _live(self) -> int:
         return sum(u.numel for u in self.units if u.state is not UnitState.RELEASED)
@@ -212,9 +228,8 @@ class Stage3Runtime:
 
     # -- hooks ------------------------------------------------------------------------------
     def _register(self, module: nn.Module, unit: Unit) -> None:
-        self._hooks.append(module.register_forward_pre_hook(
-            lambda m, args, kwargs: self._pre_forward(m, unit, args, kwargs), with_kwargs=True))
-        self._hooks.append(module.register_forward_hook(lambda m, args, out: self._post_forward(m, unit, out)))
+        self._hooks.around_forward(module, lambda m, args, kwargs: self._pre_forward(m, unit, args, kwargs),
+                                   lambda m, out: self._post_forward(m, unit, out))
 
     def _pre_forward(self, module: nn.Module, unit: Unit, args, kwargs):
         self._active.append(module)
@@ -222,12 +237,12 @@ class Stage3Runtime:
         self._use(unit)
         if not torch.is_grad_enabled():
             return None
-        # route the inputs through _PostBackward, so the end of this unit's backward is seen
+        # route the inputs through an identity whose backward tells when this unit's backward is over
         flat = [(i, None, a) for i, a in enumerate(args)] + [(None, k, v) for k, v in kwargs.items()]
         needs = [(i, k, t) for i, k, t in flat if torch.is_tensor(t) and t.requires_grad]
         if not needs:
             return None
-        wrapped = _PostBackward.apply(self, unit, *(t for _, _, t in needs))
+        wrapped = after_inputs_grad([t for _, _, t in needs], lambda: self._post_backward(unit))
         args, kwargs = list(args), dict(kwargs)
         for (i, k, _), t in zip(needs, wrapped):
             if k is None:
@@ -276,9 +291,7 @@ class Stage3Runtime:
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors:
-                # lives with the autograd graph; no handle to keep
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads: self._pre_backward(unit), mode="any")
+                when_grad_reaches(tensors, lambda: self._pre_backward(unit))
         if self.phase is Phase.BACKWARD:  # recompute for activation checkpointing: keep it
             return output
         if unit.users == 0 and not self._reused_soon(unit):
@@ -299,20 +312,6 @@ class Stage3Runtime:
             # its parameters released, so the next unit's gather never overlaps them
             if self._on_trace:
                 self._prefetch(len(self._recording))
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once their gradients are complete."""
-
-    @staticmethod
-    def forward(ctx, runtime, unit, *tensors):
-        ctx.runtime, ctx.unit = runtime, unit
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.runtime._post_backward(ctx.unit)
-        return (None, None, *grads)
 
 
 _ACCESSORS = {"__get__", "__set__", "__delete__"}

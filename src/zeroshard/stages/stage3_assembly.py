@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.api.assembly import ALIGN_BYTES, ModelParts, broadcast_model, take_masters_and_cast
-from zeroshard.api.init import materialize
+from zeroshard.stages.assembly import ALIGN_BYTES, ModelParts, broadcast_model, take_masters_and_cast
+from zeroshard.partition.param_shards import forget, materialize
 from zeroshard.comm import Comm
 from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
-from zeroshard.partition.param_shards import forget
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import ConfigError, Settings
 from zeroshard.stages.stage3 import Stage3Runtime, Unit

@@ -1,0 +1,74 @@
+"""Every module and autograd hook zeroshard registers, in one place.
+
+Stages 0-3 and `zeroshard.Init` reach torch's hook machinery only through this module, so
+what runs when (and what `close()` must undo) can be read here:
+
+- `Hooks.after_grad_accumulated(param, fn)`: `fn(param)` once the parameter's `.grad` for
+  this backward is complete (stages 0-3 gradient buckets);
+- `Hooks.around_forward(module, before, after)`: `before(module, args, kwargs)` may return
+  new `(args, kwargs)`; `after(module, output)` may return a new output (stage-3 gather and
+  release);
+- `when_grad_reaches(tensors, fn)`: `fn()` when backward first reaches any of `tensors`
+  (a stage-3 unit is gathered again for its backward); lives with the autograd graph;
+- `after_inputs_grad(tensors, fn)`: identity on `tensors` whose backward calls `fn()` once
+  the gradients w.r.t. all of them exist (a stage-3 unit's backward is over);
+- `on_module_attached(fn)`: `fn(parent, name, child)` whenever a submodule is attached
+  anywhere (global, for `zeroshard.Init`).
+
+Handles are kept by the `Hooks` object that registered them; `remove()` undoes them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+
+
+class Hooks:
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+
+    def after_grad_accumulated(self, param: nn.Parameter, fn: Callable[[nn.Parameter], None]) -> None:
+        self._handles.append(param.register_post_accumulate_grad_hook(fn))
+
+    def around_forward(self, module: nn.Module, before: Callable, after: Callable) -> None:
+        self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(lambda m, args, out: after(m, out)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+def when_grad_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: fn(), mode="any")
+
+
+def after_inputs_grad(tensors: list[torch.Tensor], fn: Callable[[], None]) -> tuple[torch.Tensor, ...]:
+    return _InputsGradDone.apply(fn, *tensors)
+
+
+def on_module_attached(fn: Callable[[nn.Module, str, nn.Module | None], None]):
+    """A global hook; the caller keeps the handle and removes it."""
+    return register_module_module_registration_hook(fn)
+
+
+class _InputsGradDone(torch.autograd.Function):
+    """Identity on some tensors; its backward runs once their gradients are complete."""
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fn()
+        return (None, *grads)
