@@ -7,23 +7,40 @@ zeroshard has no launcher of its own: this is `python -m torch.distributed.run` 
 the rendezvous options spelled out, OMP_NUM_THREADS defaulted to 1 (torchrun's own
 default, without its warning), and the same checks `zeroshard train` makes before any
 rank starts. Everything after the script is passed to it unchanged.
+
+The `deepspeed` launcher's single-node flags are accepted and mapped onto torchrun, so a
+DeepSpeed command line only changes its first word:
+
+    deepspeed --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
+    zeroshard launch --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
+
+--num_gpus N is --nproc N; --include/--exclude localhost:0,2 pick devices on this host
+(CUDA_VISIBLE_DEVICES, one rank each); --master_port/--master_addr/--node_rank are
+--master-port/--master-addr/--node-rank; --num_nodes N is --nnodes N, run on every node
+(torchrun has no ssh fan-out: there is no --hostfile). torchrun gives ranks LOCAL_RANK
+in the environment, not a --local_rank argument (--no_local_rank is accepted).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 
-__all__ = ["add_rendezvous_arguments", "check_nproc", "register", "run_torchrun", "torchrun_command"]
+__all__ = ["add_rendezvous_arguments", "apply_deepspeed_flags", "check_nproc", "register", "run_torchrun",
+           "torchrun_command"]
+
+_LOCAL_HOSTS = ("localhost", "127.0.0.1")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("launch", help="run your script on N ranks with torchrun (one node or many)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="ranks on this node (default 2)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks on this node (default 2)")
     add_rendezvous_arguments(p)
+    add_deepspeed_launcher_arguments(p)
     p.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -35,6 +52,82 @@ def add_rendezvous_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default 0)")
     p.add_argument("--master-addr", help="address of node 0, reachable from every node (multi-node)")
     p.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
+
+
+def add_deepspeed_launcher_arguments(p: argparse.ArgumentParser) -> None:
+    ds = p.add_argument_group("deepspeed launcher flags", "accepted so a `deepspeed ...` command line runs unchanged")
+    ds.add_argument("--num_gpus", "--num-gpus", type=int, default=None, help="ranks on this node (= --nproc)")
+    ds.add_argument("--num_nodes", "--num-nodes", type=int, default=None, help="nodes (= --nnodes, run on each node)")
+    ds.add_argument("--master_port", type=int, dest="master_port", default=argparse.SUPPRESS, help="= --master-port")
+    ds.add_argument("--master_addr", dest="master_addr", default=argparse.SUPPRESS, help="= --master-addr")
+    ds.add_argument("--node_rank", type=int, dest="node_rank", default=argparse.SUPPRESS, help="= --node-rank")
+    ds.add_argument("-i", "--include", default=None, help="devices of this host to use, e.g. localhost:0,2")
+    ds.add_argument("-e", "--exclude", default=None, help="devices of this host not to use, e.g. localhost:1")
+    ds.add_argument("-H", "--hostfile", default=None, help=argparse.SUPPRESS)
+    ds.add_argument("--no_local_rank", action="store_true", help="accepted: torchrun passes LOCAL_RANK in the "
+                    "environment, never --local_rank")
+
+
+def _parse_hosts(spec: str, flag: str) -> tuple[list[int] | None, str | None]:
+    """`localhost:0,2` -> ([0, 2], None); `localhost` -> (None, None) (every slot); else an error."""
+    hosts = [h for h in spec.split("@") if h]
+    if len(hosts) != 1:
+        return None, (f"{flag} {spec}: zeroshard launch starts ranks on this host only; on each node run "
+                      "`zeroshard launch --nproc G --nnodes N --node-rank I --master-addr HEAD script.py`")
+    host, _, slots = hosts[0].partition(":")
+    if host not in _LOCAL_HOSTS and host != socket.gethostname():
+        return None, (f"{flag} {spec}: {host} is not this host; zeroshard launch starts ranks here only "
+                      "(run it on that node, with --nnodes/--node-rank/--master-addr for several nodes)")
+    if not slots:
+        return None, None
+    try:
+        return sorted({int(s) for s in slots.split(",") if s.strip()}), None
+    except ValueError:
+        return None, f"{flag} {spec}: devices must be integers, e.g. localhost:0,2"
+
+
+def apply_deepspeed_flags(args: argparse.Namespace, device_count: int) -> tuple[str | None, dict[str, str]]:
+    """Map the deepspeed launcher's flags onto --nproc/--nnodes; returns (problem, extra environment).
+    `device_count` is the CUDA devices of this host (0 on CPU, where --include/--exclude count ranks)."""
+    env: dict[str, str] = {}
+    if getattr(args, "hostfile", None):
+        return ("--hostfile: zeroshard launch has no ssh fan-out; on each node run `zeroshard launch --nproc G "
+                "--nnodes N --node-rank I --master-addr HEAD script.py` (torchrun's static rendezvous)"), env
+    if args.num_gpus is not None:
+        if args.nproc is not None and args.nproc != args.num_gpus:
+            return f"--num_gpus {args.num_gpus} and --nproc {args.nproc} disagree; give one of them", env
+        args.nproc = args.num_gpus
+    if args.num_nodes is not None:
+        if args.nnodes != 1 and args.nnodes != args.num_nodes:
+            return f"--num_nodes {args.num_nodes} and --nnodes {args.nnodes} disagree; give one of them", env
+        args.nnodes = args.num_nodes
+        if args.num_nodes > 1 and not args.master_addr:
+            return (f"--num_nodes {args.num_nodes}: torchrun starts the ranks of one node; run on each node "
+                    f"`zeroshard launch --nproc G --nnodes {args.num_nodes} --node-rank I --master-addr HEAD "
+                    "script.py` (node 0's address as HEAD)"), env
+    include, exclude = getattr(args, "include", None), getattr(args, "exclude", None)
+    if include and exclude:
+        return "--include and --exclude cannot be used together", env
+    if include or exclude:
+        if args.num_gpus is not None or (args.num_nodes or 1) > 1:
+            return "--include/--exclude cannot be combined with --num_gpus/--num_nodes (as with deepspeed)", env
+        slots, problem = _parse_hosts(include or exclude, "--include" if include else "--exclude")
+        if problem:
+            return problem, env
+        every = list(range(device_count if device_count else (args.nproc or 2)))
+        if include:
+            chosen = every if slots is None else slots
+            missing = [s for s in chosen if device_count and s >= device_count]
+            if missing:
+                return f"--include {include}: this host has {device_count} CUDA device(s), no {missing[0]}", env
+        else:
+            chosen = [] if slots is None else [s for s in every if s not in slots]
+        if not chosen:
+            return f"--exclude {exclude} leaves no device on this host", env
+        args.nproc = len(chosen)
+        if device_count:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in chosen)
+    return None, env
 
 
 def check_nproc(nproc: int) -> str | None:
@@ -79,8 +172,8 @@ def torchrun_command(args: argparse.Namespace, target: list[str]) -> list[str]:
     return [*cmd, f"--nproc-per-node={args.nproc}", *target]
 
 
-def run_torchrun(cmd: list[str]) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+def run_torchrun(cmd: list[str], extra_env: dict[str, str] | None = None) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
     try:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
@@ -88,11 +181,16 @@ def run_torchrun(cmd: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = check_nproc(args.nproc) or check_rendezvous(args)
+    import torch
+
+    problem, extra_env = apply_deepspeed_flags(args, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if args.nproc is None:
+        args.nproc = 2
+    problem = problem or check_nproc(args.nproc) or check_rendezvous(args)
     if not problem and not args.module and not os.path.isfile(args.script):
         problem = f"{args.script}: no such script"
     if problem:
         print(f"zeroshard launch: {problem}", file=sys.stderr)
         return 2
     target = ["-m", args.script] if args.module else [args.script]
-    return run_torchrun(torchrun_command(args, [*target, *args.script_args]))
+    return run_torchrun(torchrun_command(args, [*target, *args.script_args]), extra_env)
