@@ -76,3 +76,48 @@ def test_lora_example_runs(monkeypatch, capsys):
     runpy.run_path(path, run_name="__main__")
     out = capsys.readouterr().out
     assert "trainable (LoRA)" in out and "optimizer states" in out
+
+
+# -- the deepspeed launcher's flags ------------------------------------------------------------------
+def _launch_args(*argv):
+    from zeroshard.cli.main import build_parser
+
+    return build_parser().parse_args(["launch", *argv, "train.py", "--deepspeed_config", "ds.json"])
+
+
+def test_deepspeed_launcher_flags_map_onto_torchrun():
+    from zeroshard.cli.launch_cmd import apply_deepspeed_flags
+
+    args = _launch_args("--num_gpus", "2", "--master_port", "29600")
+    assert apply_deepspeed_flags(args, 0) == (None, {})
+    assert (args.nproc, args.master_port, args.script_args) == (2, 29600, ["--deepspeed_config", "ds.json"])
+    assert torchrun_command(args, ["train.py"])[3:] == ["--standalone", "--nproc-per-node=2", "train.py"]
+
+    args = _launch_args("--num_nodes", "2", "--node_rank", "1", "--master_addr", "head", "--num_gpus", "8")
+    assert apply_deepspeed_flags(args, 8) == (None, {})
+    assert torchrun_command(args, ["train.py"])[3:] == ["--nnodes=2", "--node-rank=1", "--master-addr=head",
+                                                        "--master-port=29500", "--nproc-per-node=8", "train.py"]
+
+    args = _launch_args("--include", "localhost:1,3")  # on a 4-GPU host: two ranks on devices 1 and 3
+    assert apply_deepspeed_flags(args, 4) == (None, {"CUDA_VISIBLE_DEVICES": "1,3"}) and args.nproc == 2
+    args = _launch_args("--exclude", "localhost:0")
+    assert apply_deepspeed_flags(args, 4) == (None, {"CUDA_VISIBLE_DEVICES": "1,2,3"}) and args.nproc == 3
+    args = _launch_args("--include", "localhost:0,1")  # CPU: slots are ranks
+    assert apply_deepspeed_flags(args, 0) == (None, {}) and args.nproc == 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--num_nodes", "2"], "on each node"),
+    (["--hostfile", "hosts"], "no ssh fan-out"),
+    (["--include", "worker-0:0@worker-1:0"], "this host only"),
+    (["--include", "worker-7:0"], "not this host"),
+    (["--include", "localhost:0", "--num_gpus", "1"], "cannot be combined"),
+    (["--exclude", "localhost"], "leaves no device"),
+    (["--num_gpus", "2", "--nproc", "3"], "disagree"),
+])
+def test_deepspeed_launcher_flags_that_cannot_map_say_why(capsys, tmp_path, argv, words):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["launch", *argv, str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zeroshard launch: ") and words in err and err.count("\n") == 1
