@@ -280,6 +280,7 @@ def test_dataloader_is_deepspeeds(tmp_path):
                                                 training_data=data, collate_fn=collate)
     assert isinstance(loader.sampler, DistributedSampler) and loader.batch_size == 4
     assert loader.sampler.shuffle and loader.sampler.seed == 0 and engine.training_dataloader is loader
+    assert loader.data_sampler is loader.sampler  # DeepSpeedDataLoader's attribute
     first = next(iter(loader))[0]
     order = torch.randperm(10, generator=torch.Generator().manual_seed(0))
     assert torch.equal(first, data.tensors[0][order[:4]]) and seen == [4]
