@@ -324,6 +324,11 @@ def test_scheduler_from_the_config_is_returned():
     assert sched is engine.lr_scheduler and sched is not None
     _train(engine, loader, 2)
     assert 0.0 < engine.get_lr()[0] < 0.1
+    engine, _, loader, sched = deepspeed.initialize(  # passed in, as a callable optimizer -> scheduler
+        model=_small(), config=_cfg(), training_data=_data(),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    _train(engine, loader, 2)
+    assert sched is engine.lr_scheduler and engine.get_lr() == [0.025]
 
 
 def test_engine_accessors_and_was_step_applied():
@@ -336,6 +341,7 @@ def test_engine_accessors_and_was_step_applied():
     assert engine.device == torch.device("cpu") and engine.zero_optimization_stage() == 0
     assert not engine.fp16_enabled() and not engine.bfloat16_enabled() and engine.gradient_clipping() == 0.0
     assert isinstance(engine.module, Small) and engine.zeroshard.module is engine.module
+    assert engine.memory_stats() == engine.zeroshard.memory_stats()  # the rest is the Engine's
     x, y = next(iter(loader))
     engine.backward(F.mse_loss(engine(x), y))
     assert not engine.is_gradient_accumulation_boundary()
