@@ -88,3 +88,18 @@ class LoRAStack(torch.nn.Module):
             h = torch.tanh(layer(h))
         out = self.out(h)
         return out, F.mse_loss(out, y)
+
+
+class ReusedBlockGPT(GPT):
+    """Block 0 runs twice per forward (weights shared across depth): one unit, two uses."""
+
+    def __init__(self) -> None:
+        super().__init__(GPT_PRESETS["tiny"])
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in (self.h[0], self.h[1], self.h[0]):
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))

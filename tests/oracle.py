@@ -46,8 +46,25 @@ def hf_model(kind: str) -> torch.nn.Module:
         num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
 
 
+def wide_hf_model(kind: str) -> torch.nn.Module:
+    """The shapes of issue 9, where size-chosen units went wrong: GPT-2 n_embd 128 x 6 layers,
+    Llama hidden 96 x 5 layers; and a Qwen2. Small vocabulary, dropout off."""
+    import transformers as hf
+
+    if kind == "gpt2":
+        return hf.GPT2LMHeadModel(hf.GPT2Config(
+            n_layer=6, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    cls, cfg = {"llama": (hf.LlamaForCausalLM, hf.LlamaConfig), "qwen2": (hf.Qwen2ForCausalLM, hf.Qwen2Config)}[kind]
+    return cls(cfg(hidden_size=96, intermediate_size=192, num_hidden_layers=5, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
+                   eos_token_id=0, tie_word_embeddings=False))
+
+
 def make_model(case: Case) -> torch.nn.Module:
     torch.manual_seed(1234)
+    if case.model.startswith("wide-"):
+        return wide_hf_model(case.model[5:])
     if case.model.startswith("hf-"):
         return hf_model(case.model[3:])
     if case.model == "gpt":
@@ -58,7 +75,8 @@ def make_model(case: Case) -> torch.nn.Module:
         kind = case.model[4:]
         return {"ckpt-reentrant": lambda: models3.CheckpointedGPT(True),
                 "ckpt-nonreentrant": lambda: models3.CheckpointedGPT(False),
-                "skip": models3.SkippingGPT, "outside": models3.OutsideReadGPT}[kind]()
+                "skip": models3.SkippingGPT, "outside": models3.OutsideReadGPT,
+                "reuse": models3.ReusedBlockGPT}[kind]()
     if case.model == "lora":
         import models3
 
@@ -68,7 +86,7 @@ def make_model(case: Case) -> torch.nn.Module:
 
 def batch(case: Case, micro_index: int, world_size: int):
     """The full (all ranks') micro-batch number `micro_index`."""
-    if case.model.startswith(("gpt", "hf-")):
+    if case.model.startswith(("gpt", "hf-", "wide-")):
         tokens = synthetic_tokens(4096, VOCAB, seed=7)
         return global_batch(tokens, MICRO, SEQ, micro_index, world_size, seed=3)
     g = torch.Generator().manual_seed(10_000 + micro_index)

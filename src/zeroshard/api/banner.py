@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from zeroshard.partition.unit_bucket import UnitBucket
+from zeroshard.policies import Stage
 from zeroshard.stages.assembly import ModelParts
+from zeroshard.stages.units import describe_units
 
 if TYPE_CHECKING:
     from zeroshard.api.engine import Engine
@@ -51,5 +54,8 @@ def startup_banner(engine: "Engine", parts: ModelParts) -> list[str]:
         f"  offload: optimizer {z.offload_optimizer.device.value}, parameters {z.offload_param.device.value}; "
         f"collective timeout {s.runtime.comm_timeout_s:g}s",
     ]
+    if z.stage == Stage.PARAMETERS:
+        persistent = sum(bk.layout.numel for bk in engine.buckets if not isinstance(bk, UnitBucket))
+        lines += [f"  {line}" for line in describe_units(engine.units, engine.unit_rule, persistent, z.stage3)]
     lines += [f"  note: {n}" for n in s.notes]
     return lines

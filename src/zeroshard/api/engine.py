@@ -115,6 +115,7 @@ class Engine:
         self._cast_rest()
         self.frozen_buckets = s3.frozen
         self.units = s3.units
+        self.unit_rule = s3.rule
         self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory)
         runtime = make_runtime(s3, self.comm, self.memory, self.settings)
         publisher = ParamPublisher(self.buckets, self.comm, self.memory, self.settings.zero.allgather_bucket_size)

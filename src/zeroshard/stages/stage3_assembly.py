@@ -31,6 +31,7 @@ class Stage3Parts:
     persistent: set[int]  # indices into `trainable` of persistent (whole) buckets
     units: list[Unit]
     external_users: dict[int, list[nn.Module]]
+    rule: str = ""  # how the units were chosen
 
 
 def _layouts(params, names, group_of, bucket_numel, shards, dtype):
@@ -108,7 +109,7 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
     in_buckets = {id(p) for b in trainable + frozen for p in b.params}
     _place_rest(model, in_buckets, comm, device)
     return Stage3Parts(trainable, masters, frozen, set(range(first, len(trainable))), units,
-                       {i: up.external_users for i, up in enumerate(plan.units)})
+                       {i: up.external_users for i, up in enumerate(plan.units)}, plan.rule)
 
 
 def _place_rest(model: nn.Module, in_buckets: set[int], comm: Comm, device: torch.device) -> None:
