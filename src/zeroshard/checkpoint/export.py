@@ -95,21 +95,30 @@ def _config_for(config: dict[str, Any] | None, dtype: torch.dtype, architecture:
 
 
 def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32",
-           max_shard_size: int | str = "5GB", tag: str | None = None) -> list[str]:
-    """Consolidate a checkpoint into `out_dir`; returns the names of the files written."""
+           max_shard_size: int | str = "5GB", tag: str | None = None, exclude_frozen: bool = False) -> list[str]:
+    """Consolidate a checkpoint into `out_dir`; returns the names of the files written.
+
+    `exclude_frozen` (DeepSpeed's `exclude_frozen_parameters`): only the trainable tensors,
+    under their state-dict names, and no config.json (the files are not a loadable model)."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
     with CheckpointReader(ckpt_dir, tag) as reader:
         reader.verify([f for f in reader.files if ".optim." not in f])  # values only: a third of Adam's bytes
+        names = reader.meta["names"]
+        if exclude_frozen:
+            names = [n for n in names if reader.tensors[reader.canonical(n)].get("trainable")]
+            if not names:
+                raise CheckpointError(f"{reader.dir}: --exclude-frozen: the checkpoint has no trainable tensor")
         entries = []
-        for name in reader.meta["names"]:
+        for name in names:
             info = reader.tensors[reader.canonical(name)]
             shape = tuple(info["shape"])
             saved = getattr(torch, info["dtype"].replace("torch.", ""))
             out = target if saved.is_floating_point else saved
             entries.append(Entry(name, shape, out, _reader_producer(reader, name, shape, out)))
-        config = _config_for(reader.meta.get("model_config"), target, reader.meta.get("model_class"))
+        config = None if exclude_frozen else \
+            _config_for(reader.meta.get("model_config"), target, reader.meta.get("model_class"))
         return write_model(os.fspath(out_dir), entries, max_shard_size, config)
 
 
