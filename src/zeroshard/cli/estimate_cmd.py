@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from zeroshard.estimate import (
@@ -183,7 +184,7 @@ def describe(shape: ModelShape, cluster: Cluster, work: Workload) -> str:
     frozen = (f" ({shape.frozen_params:,} frozen in {work_dtype(work)}, {shape.trainable_params:,} trainable)"
               if shape.frozen_params else "")
     return (f"model {shape.params:,} params{frozen}, largest unit {shape.largest_unit:,}, {shape.layers} layers x "
-            f"hidden {shape.hidden}{guess} [{shape.source}]\n"
+            f"hidden {shape.hidden}{guess} {escape('[' + shape.source + ']')}\n"
             f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.name} "
             f"({gib(cluster.gpu.memory)} GiB), N = {cluster.world_size}, host {gib(cluster.host_mem)} GiB/node, "
             f"NVMe {gib(cluster.nvme)} GiB/node\n"

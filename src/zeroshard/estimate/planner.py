@@ -239,7 +239,9 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
             p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} of "
                            f"{c.device_budget / GIB:.1f} GiB usable per device); {why}")
         elif c.fits:  # LoRA: another fit in the winner's tier
-            slower = "same step time, the earlier in the route wins" if c.time.step <= winner.time.step else \
+            d = c.time.step - winner.time.step
+            slower = "same step time, the earlier in the route wins" if d <= 0 else \
+                f"slower by {d * 1000:.0f} ms per step" if d < 0.1 else \
                 f"slower: {c.time.step:.2f} s per step vs {winner.time.step:.2f} s"
             p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} GiB per device), {slower}")
         else:
