@@ -151,3 +151,20 @@ def test_lora_targets_the_model_lacks_is_one_clear_error(config_json, capsys):
     assert "no module named 'c_attn'" in err and "q_proj" in err
     assert main(["plan", "--params", "7B", "--lora-targets", "q_proj"]) == 2
     assert "needs --lora" in capsys.readouterr().err
+
+
+def test_cli_estimate_lora_json_matches_memory_stats(config_json, measured, capsys):
+    """The figures `zeroshard estimate --hf-config config.json --lora 8` prints, per rank."""
+    from zeroshard.cli.main import main
+
+    assert main(["estimate", "--hf-config", str(config_json), "--lora", str(R), "--gpus-per-node", str(WORLD),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["trainable"] == measured[0][2]["adapters"]
+    by_label = {c["label"]: c["memory"] for c in out["candidates"]}
+    for stage in (2, 3):
+        est = by_label[f"stage {stage}"]
+        for rank in range(WORLD):
+            mem = measured[rank][stage]["mem"]
+            for cat in ("params", "grads", "optimizer_states"):
+                assert est[cat] == pytest.approx(mem[cat], rel=0.05), (stage, rank, cat, est[cat], mem[cat])
