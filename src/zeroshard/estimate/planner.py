@@ -240,7 +240,7 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
                            f"{c.device_budget / GIB:.1f} GiB usable per device); {why}")
         elif c.fits:  # LoRA: another fit in the winner's tier
             d = c.time.step - winner.time.step
-            slower = "same step time, the earlier in the route wins" if d <= 0 else \
+            slower = "same step time (within 1 ms), the earlier in the route wins" if d < 0.0005 else \
                 f"slower by {d * 1000:.0f} ms per step" if d < 0.1 else \
                 f"slower: {c.time.step:.2f} s per step vs {winner.time.step:.2f} s"
             p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} GiB per device), {slower}")
