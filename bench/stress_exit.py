@@ -38,10 +38,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40, help="steps of the main job per run")
+    parser.add_argument("--only", choices=["train", "plain"], help="run only the main job, or only the plain script")
+    parser.add_argument("--log-dir", default="stress_exit_logs", help="where the output of failed runs goes")
     args = parser.parse_args()
     print(f"| job | runs | clean exits | failures (exit code) | median s |\n|---|---|---|---|---|")
     bad = 0
     for label, cmd in jobs(args.steps).items():
+        if args.only and (args.only == "train") != label.startswith("zeroshard train"):
+            continue
         codes, seconds = [], []
         for i in range(args.runs):
             started = time.perf_counter()
@@ -49,6 +53,11 @@ def main() -> int:
             seconds.append(time.perf_counter() - started)
             aborted = "terminate called" in proc.stdout + proc.stderr
             codes.append(-6 if aborted and proc.returncode == 0 else proc.returncode)
+            if codes[-1] != 0:
+                os.makedirs(args.log_dir, exist_ok=True)
+                path = os.path.join(args.log_dir, f"{label.split()[0]}-{len(codes)}.log")
+                with open(path, "w") as f:
+                    f.write(f"$ {' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
             print(f"  {label}: run {i + 1}/{args.runs} exit {proc.returncode}{' (abort printed)' if aborted else ''}",
                   file=sys.stderr, flush=True)
         fails = [c for c in codes if c != 0]
