@@ -41,6 +41,7 @@ from zeroshard.optim.template import OptimizerArg, plan_optimizer
 from zeroshard.partition import MemoryLedger
 from zeroshard.policies import ConfigError, Settings, Stage
 from zeroshard.stages.stage3_assembly import build_stage3, make_runtime
+from zeroshard.stages.train_state import TrainState
 from zeroshard.stages import ParamPublisher, PartitionedParams, ReplicatedParams, build_gradients, shard_count_for
 
 log = logging.getLogger("zeroshard")
@@ -76,9 +77,9 @@ class Engine:
         self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
         self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)
 
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.train_state = TrainState(self.module, settings, self.comm, self.buckets, self.frozen_buckets,
+                                      self.optimizer, self.loss_scaler, self.lr_scheduler,
+                                      self.refresh_params_from_masters)
         self._grad_norm: float | None = None
         self._warned_no_sync = False
         self._timers: dict[str, float] = defaultdict(float)
@@ -218,6 +219,31 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
+
+    # the step counters live in the TrainState (checkpoints read and restore them there)
+    @property
+    def global_steps(self) -> int:
+        return self.train_state.counters.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.train_state.counters.global_steps = value
+
+    @property
+    def micro_steps(self) -> int:
+        return self.train_state.counters.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.train_state.counters.micro_steps = value
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.train_state.counters.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.train_state.counters.skipped_steps = value
 
     @property
     def world_size(self) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.files import Entry, write_safetensors, write_small
 from zeroshard.checkpoint.reader import CheckpointReader
@@ -193,14 +194,15 @@ def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
 def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
     """Write the engine's LoRA adapter in peft's format from rank 0, in the compute dtype;
     call on every rank. Stage 3 gathers one trainable bucket at a time, no frozen unit."""
+    ts = train_state_of(engine)
     from zeroshard.checkpoint.export import _BucketStream
 
     error: BaseException | None = None
     meta = names = adapter = None
     try:
-        meta = peft_meta(engine.module)
-        sd = engine.module.state_dict(keep_vars=True)
-        in_bucket = {id(p) for b in engine.buckets for p in b.params}
+        meta = peft_meta(ts.module)
+        sd = ts.module.state_dict(keep_vars=True)
+        in_bucket = {id(p) for b in ts.buckets for p in b.params}
         trainable = {n: id(t) in in_bucket for n, t in sd.items()}
         names, adapter, others = adapter_tensor_names(list(sd), trainable)
         if meta is None or not names:
@@ -211,13 +213,13 @@ def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
                                   "be lost by save_adapter; use save_checkpoint + `zeroshard export --exclude-frozen`")
     except BaseException as exc:
         error = exc
-    agree(engine.comm, error, engine.device, "save_adapter")
-    stage3 = engine.settings.zero.stage == Stage.PARAMETERS
+    agree(ts.comm, error, ts.device, "save_adapter")
+    stage3 = ts.settings.zero.stage == Stage.PARAMETERS
     where = {}
-    for bucket in engine.buckets:
+    for bucket in ts.buckets:
         for slot, p in zip(bucket.slots, bucket.params):
             where[id(p)] = (bucket, slot)
-    stream = _BucketStream(engine) if stage3 else None
+    stream = _BucketStream(ts) if stage3 else None
     produced = 0
 
     def producer(i: int, t: torch.Tensor):
@@ -237,7 +239,7 @@ def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
         entries.append(Entry(peft_key(n, adapter), tuple(t.shape), dtype, producer(i, t)))
     written: list[str] = []
     try:
-        if engine.rank == 0:
+        if ts.rank == 0:
             written = _write_adapter(os.fspath(save_dir), entries, meta["config"])
     except BaseException as exc:
         error = exc
@@ -248,5 +250,5 @@ def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
     finally:
         if stream is not None:
             stream.drop()
-    agree(engine.comm, error, engine.device, "save_adapter")
+    agree(ts.comm, error, ts.device, "save_adapter")
     return written

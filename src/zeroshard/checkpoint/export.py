@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.files import Entry, write_safetensors, write_small
 from zeroshard.checkpoint.reader import CheckpointReader
@@ -134,11 +135,12 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | 
     At stage 3 this needs `stage3_gather_16bit_weights_on_model_save`: the weights are
     gathered one bucket at a time (peak: about one unit) while rank 0 writes them.
     Without the flag it raises and writes nothing, never placeholder tensors."""
+    ts = train_state_of(engine)
     written: list[str] = []
     error: BaseException | None = None
-    stage3 = engine.settings.zero.stage == Stage.PARAMETERS
+    stage3 = ts.settings.zero.stage == Stage.PARAMETERS
     try:
-        if stage3 and not engine.settings.zero.stage3.gather_16bit_weights_on_model_save:
+        if stage3 and not ts.settings.zero.stage3.gather_16bit_weights_on_model_save:
             raise CheckpointError(
                 "save_16bit_model at ZeRO stage 3 gathers the sharded weights, which this config does not allow: "
                 "set zero_optimization.stage3_gather_16bit_weights_on_model_save to true, or call "
@@ -146,18 +148,18 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | 
                 "the shards without gathering the model on any rank. Nothing was written")
     except BaseException as exc:
         error = exc
-    agree(engine.comm, error, engine.device, "save_16bit_model")
+    agree(ts.comm, error, ts.device, "save_16bit_model")
     if stage3:
-        return _save_16bit_stage3(engine, os.fspath(save_dir), max_shard_size)
+        return _save_16bit_stage3(ts, os.fspath(save_dir), max_shard_size)
     try:
-        if engine.rank == 0:
+        if ts.rank == 0:
             entries = [Entry(name, tuple(t.shape), t.dtype, (lambda t=t: t.detach()))
-                       for name, t in engine.module.state_dict().items()]
-            config = _config_for(model_config(engine.module), engine.compute_dtype, type(engine.module).__name__)
+                       for name, t in ts.module.state_dict().items()]
+            config = _config_for(model_config(ts.module), ts.compute_dtype, type(ts.module).__name__)
             written = write_model(os.fspath(save_dir), entries, max_shard_size, config)
     except BaseException as exc:
         error = exc
-    agree(engine.comm, error, engine.device, "save_16bit_model")
+    agree(ts.comm, error, ts.device, "save_16bit_model")
     return written
 
 
@@ -166,8 +168,8 @@ class _BucketStream:
     shards (the source of truth at stage 3) and dropped when the next bucket is asked for.
     Every rank makes the same requests in the same order, so the gathers pair up."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, ts) -> None:
+        self.ts = ts
         self.bucket = None
         self.full: torch.Tensor | None = None
 
@@ -178,7 +180,7 @@ class _BucketStream:
                 full = bucket.data  # a persistent bucket: whole on every rank, republished after each step
             else:
                 full = bucket.new_full()
-                self.engine.comm.all_gather(full, bucket.shard(),
+                self.ts.comm.all_gather(full, bucket.shard(),
                                             what=f"save_16bit_model, unit '{bucket.name}'").wait()
             self.bucket, self.full = bucket, full
         return self.full
@@ -189,12 +191,12 @@ class _BucketStream:
         self.bucket = self.full = None
 
 
-def _save_16bit_stage3(engine, save_dir: str, max_shard_size: int | str) -> list[str]:
+def _save_16bit_stage3(ts, save_dir: str, max_shard_size: int | str) -> list[str]:
     where = {}
-    for bucket in list(engine.buckets) + list(getattr(engine, "frozen_buckets", [])):
+    for bucket in list(ts.buckets) + list(ts.frozen_buckets):
         for slot, p in zip(bucket.slots, bucket.params):
             where[id(p)] = (bucket, slot)
-    stream = _BucketStream(engine)
+    stream = _BucketStream(ts)
     produced = 0
 
     def producer(i: int, t: torch.Tensor):
@@ -208,14 +210,14 @@ def _save_16bit_stage3(engine, save_dir: str, max_shard_size: int | str) -> list
         return produce
 
     entries = []
-    for i, (name, t) in enumerate(engine.module.state_dict(keep_vars=True).items()):
+    for i, (name, t) in enumerate(ts.module.state_dict(keep_vars=True).items()):
         dtype = where[id(t)][0].dtype if id(t) in where else t.dtype  # released parameters: true shape
         entries.append(Entry(name, tuple(t.shape), dtype, producer(i, t)))
     written: list[str] = []
     error: BaseException | None = None
     try:
-        if engine.rank == 0:
-            config = _config_for(model_config(engine.module), engine.compute_dtype, type(engine.module).__name__)
+        if ts.rank == 0:
+            config = _config_for(model_config(ts.module), ts.compute_dtype, type(ts.module).__name__)
             written = write_model(save_dir, entries, max_shard_size, config)
     except BaseException as exc:
         error = exc
@@ -224,5 +226,5 @@ def _save_16bit_stage3(engine, save_dir: str, max_shard_size: int | str) -> list
             e.produce()
     finally:
         stream.drop()
-    agree(engine.comm, error, engine.device, "save_16bit_model")
+    agree(ts.comm, error, ts.device, "save_16bit_model")
     return written

@@ -187,3 +187,8 @@ def json_safe(value: Any, what: str) -> Any:
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=False, allow_nan=True).encode()
+
+
+def train_state_of(obj):
+    """The `TrainState` checkpoints read: an Engine's, or one given directly."""
+    return getattr(obj, "train_state", obj)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint import rng
+from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, frozen_buckets, name_table_of
@@ -27,40 +28,41 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True) -> dict[str, Any]:
     """Load a checkpoint saved by `save_checkpoint` (any world size, stage, bucket sizes) into
     `engine`; call on every rank. Returns the saved `client_state`."""
-    device = engine.device
+    ts = train_state_of(engine)
+    device = ts.device
     reader: CheckpointReader | None = None
     error: BaseException | None = None
     try:
         reader = CheckpointReader(load_dir, tag)
-        check_model(reader, engine)
+        check_model(reader, ts)
         if load_optimizer_states:
-            check_optimizer(reader, engine)
+            check_optimizer(reader, ts)
         files = sorted(f for f in reader.files if load_optimizer_states or ".optim." not in f)
-        reader.verify(files[engine.rank :: engine.world_size])  # each file hashed by one rank
+        reader.verify(files[ts.rank :: ts.world_size])  # each file hashed by one rank
     except BaseException as exc:
         error = exc
-    agree(engine.comm, error, device, "loading checkpoint")
+    agree(ts.comm, error, device, "loading checkpoint")
     assert reader is not None
     try:
         with torch.no_grad():
-            load_masters(reader, engine)
-            load_frozen_shards(reader, engine)
-            load_module_tensors(reader, engine)
+            load_masters(reader, ts)
+            load_frozen_shards(reader, ts)
+            load_module_tensors(reader, ts)
             if load_optimizer_states:
-                load_optimizer(reader, engine)
-        _load_training_state(reader, engine, load_optimizer_states, load_lr_scheduler_states)
+                load_optimizer(reader, ts)
+        _load_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
     except BaseException as exc:
         error = exc
     finally:
         reader.close()
-    agree(engine.comm, error, device, "loading checkpoint")
-    engine.refresh_params_from_masters()
+    agree(ts.comm, error, device, "loading checkpoint")
+    ts.refresh_params()
     return reader.meta.get("client_state") or {}
 
 
 # -- compatibility ----------------------------------------------------------------------------------
-def check_model(reader: CheckpointReader, engine) -> None:
-    table = name_table_of(engine)
+def check_model(reader: CheckpointReader, ts) -> None:
+    table = name_table_of(ts)
     saved = {n: reader.tensors[reader.canonical(n)]["shape"] for n in reader.meta["names"]}
     model = {n: table.tensors[table.tied.get(n, n)]["shape"] for n in table.names}
     missing = [n for n in model if n not in saved]
@@ -78,13 +80,13 @@ def check_model(reader: CheckpointReader, engine) -> None:
                               "It was saved from a different model or model configuration")
 
 
-def check_optimizer(reader: CheckpointReader, engine) -> None:
+def check_optimizer(reader: CheckpointReader, ts) -> None:
     saved = reader.meta["optimizer"]
-    current = type(engine.optimizer.optimizer).__name__
+    current = type(ts.optimizer.optimizer).__name__
     if saved["class"] != current:
         raise CheckpointError(f"{reader.meta_path}: optimizer states are for {saved['class']}, the engine runs "
                               f"{current}; pass load_optimizer_states=False to load only the weights")
-    groups = len(engine.optimizer.param_groups)
+    groups = len(ts.optimizer.param_groups)
     if saved["states"] and len(saved["param_groups"]) != groups:
         raise CheckpointError(f"{reader.meta_path}: {len(saved['param_groups'])} optimizer param groups saved, "
                               f"the engine has {groups}; pass load_optimizer_states=False to load only the weights")
@@ -107,34 +109,34 @@ def _fill(target: torch.Tensor, bucket, reader: CheckpointReader, field: str) ->
     target[done - lo :].zero_()
 
 
-def load_masters(reader: CheckpointReader, engine) -> None:
-    for bucket, master in zip(engine.buckets, engine.optimizer.masters):
+def load_masters(reader: CheckpointReader, ts) -> None:
+    for bucket, master in zip(ts.buckets, ts.optimizer.masters):
         _fill(master, bucket, reader, "value")
 
 
-def load_frozen_shards(reader: CheckpointReader, engine) -> None:
+def load_frozen_shards(reader: CheckpointReader, ts) -> None:
     """Stage 3: this rank's at-rest shard of each frozen unit bucket, element range by
     element range (from a saved frozen shard, or from a whole tensor saved at stages 0-2)."""
-    for bucket in frozen_buckets(engine):
+    for bucket in frozen_buckets(ts):
         _fill(bucket.shard(), bucket, reader, "value")
 
 
-def load_module_tensors(reader: CheckpointReader, engine) -> None:
+def load_module_tensors(reader: CheckpointReader, ts) -> None:
     """Frozen parameters and buffers kept whole on every rank (all of them at stages 0-2;
     buffers and frozen parameters outside units at stage 3)."""
-    table = name_table_of(engine)
+    table = name_table_of(ts)
     for name, t in table.module_entries:
         t.data.copy_(reader.read(name, "value").view(t.shape))
 
 
-def load_optimizer(reader: CheckpointReader, engine) -> None:
+def load_optimizer(reader: CheckpointReader, ts) -> None:
     kinds: dict[str, str] = reader.meta["optimizer"]["states"]
     if not kinds:
         return
-    opt = engine.optimizer
+    opt = ts.optimizer
     state: dict[int, dict[str, Any]] = {}
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    for bucket, master in zip(engine.buckets, opt.masters):
+    for bucket, master in zip(ts.buckets, opt.masters):
         per: dict[str, Any] = {}
         for name, kind in kinds.items():
             field = f"optim.{name}"
@@ -208,23 +210,23 @@ def _json_state(reader: CheckpointReader, bucket, name: str) -> Any:
 
 
 # -- counters, scheduler, scaler, RNG --------------------------------------------------------------------
-def _load_training_state(reader: CheckpointReader, engine, optimizer_states: bool, scheduler_states: bool) -> None:
+def _load_training_state(reader: CheckpointReader, ts, optimizer_states: bool, scheduler_states: bool) -> None:
     meta = reader.meta
-    engine.global_steps = int(meta["global_steps"])
-    engine.micro_steps = int(meta["micro_steps"])
-    engine.skipped_steps = int(meta["skipped_steps"])
+    ts.global_steps = int(meta["global_steps"])
+    ts.micro_steps = int(meta["micro_steps"])
+    ts.skipped_steps = int(meta["skipped_steps"])
     if optimizer_states:
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    sched, saved = engine.lr_scheduler, meta.get("lr_scheduler")
+        ts.loss_scaler.load_state_dict(meta["loss_scaler"])
+    sched, saved = ts.lr_scheduler, meta.get("lr_scheduler")
     if scheduler_states and sched is not None and saved is not None:
         if saved["class"] != type(sched).__name__:
             raise CheckpointError(f"{reader.meta_path}: the LR scheduler state is for {saved['class']}, the engine "
                                   f"runs {type(sched).__name__}; pass load_lr_scheduler_states=False")
         sched.load_state_dict(saved["state"])
-        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr()):
+        for group, lr in zip(ts.optimizer.param_groups, sched.get_last_lr()):
             group["lr"] = lr
     states = meta.get("rng") or []
-    if engine.rank < len(states):
-        rng.restore(states[engine.rank])
+    if ts.rank < len(states):
+        rng.restore(states[ts.rank])
     elif states:
-        log.warning("checkpoint saved by %d ranks: rank %d keeps its own random state", len(states), engine.rank)
+        log.warning("checkpoint saved by %d ranks: rank %d keeps its own random state", len(states), ts.rank)

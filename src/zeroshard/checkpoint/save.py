@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint import rng
+from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree, all_records
 from zeroshard.checkpoint.files import fsync_dir, write_safetensors, write_small
 from zeroshard.checkpoint.format import (
@@ -58,9 +59,10 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     Call on every rank. `tag` defaults to `global_step<N>`; `client_state` (rank 0's) is
     stored as JSON and returned by `load_checkpoint`. `keep_last` keeps only the newest
     `keep_last` tags in `save_dir`. Returns the tag's directory."""
+    ts = train_state_of(engine)
     save_dir = os.fspath(save_dir)
-    device = engine.device
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    device = ts.device
+    tag = tag if tag is not None else f"global_step{ts.global_steps}"
     tmp = os.path.join(save_dir, TMP_PREFIX + tag)
     error: BaseException | None = None
     try:
@@ -68,43 +70,43 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         client = json_safe(client_state or {}, "client_state")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise CheckpointError(f"keep_last must be a positive integer, got {keep_last!r}")
-        if engine.rank == 0:
+        if ts.rank == 0:
             _prepare(save_dir, tmp)
     except BaseException as exc:
         error = exc
-    agree(engine.comm, error, device, "saving checkpoint")
+    agree(ts.comm, error, device, "saving checkpoint")
 
-    table = name_table_of(engine)
+    table = name_table_of(ts)
     record: dict[str, Any] = {}
     try:
-        part = rank_file(engine, table, pause)
+        part = rank_file(ts, table, pause)
         files = {}
         for entries, field in ((part.entries, "value"), (part.optim_entries, "optim")):
-            name = rank_file_name(engine.rank, field)
-            metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(engine.rank)}
+            name = rank_file_name(ts.rank, field)
+            metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(ts.rank)}
             if field == "optim":
                 metadata["json_states"] = dumps(part.json_states).decode()
             written = write_safetensors(os.path.join(tmp, name), entries, metadata)
-            files[name] = {"rank": engine.rank, "bytes": written.bytes, "sha256": written.sha256}
+            files[name] = {"rank": ts.rank, "bytes": written.bytes, "sha256": written.sha256}
         record = {"error": None, "files": files, "shards": part.shards, "state_kinds": part.state_kinds,
                   "rng": rng.capture()}
     except BaseException as exc:
         error, record = exc, {"error": str(exc)}
-    records = all_records(engine.comm, record, device)
+    records = all_records(ts.comm, record, device)
     try:
         failed = [(r, rec["error"]) for r, rec in enumerate(records) if rec["error"] is not None]
         if error is not None:
             raise error
         if failed:
             raise CheckpointError(f"saving checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
-        if engine.rank == 0:
-            meta = _meta(engine, tag, table, part, records, client)
+        if ts.rank == 0:
+            meta = _meta(ts, tag, table, part, records, client)
             _commit(save_dir, tmp, tag, meta, keep_last)
     except BaseException as exc:
         error = exc
-        if engine.rank == 0:
+        if ts.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    agree(engine.comm, error, device, "saving checkpoint")
+    agree(ts.comm, error, device, "saving checkpoint")
     return os.path.join(save_dir, tag)
 
 
@@ -120,7 +122,7 @@ def _prepare(save_dir: str, tmp: str) -> None:
     pause("prepared")
 
 
-def _meta(engine, tag: str, table, part, records: list[dict[str, Any]], client) -> dict[str, Any]:
+def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> dict[str, Any]:
     kinds = part.state_kinds
     for r, rec in enumerate(records):
         if rec["state_kinds"] != kinds:
@@ -131,27 +133,27 @@ def _meta(engine, tag: str, table, part, records: list[dict[str, Any]], client) 
     if written != expected:
         raise CheckpointError(f"bucket shards written {written} differ from the layout's {expected}: "
                               "a shard would be missing from the checkpoint")
-    opt = engine.optimizer.optimizer
+    opt = ts.optimizer.optimizer
     groups = [json_safe({k: v for k, v in g.items() if k not in ("params", "param_names")},
                         "optimizer param_groups") for g in opt.param_groups]
-    sched = engine.lr_scheduler
+    sched = ts.lr_scheduler
     return {
         "format": FORMAT, "version": VERSION, "tag": tag, "created": time.time(),
         "torch_version": torch.__version__,
-        "world_size": engine.world_size, "stage": int(engine.settings.zero.stage),
-        "compute_dtype": str(engine.compute_dtype),
-        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps,
+        "world_size": ts.world_size, "stage": int(ts.settings.zero.stage),
+        "compute_dtype": str(ts.compute_dtype),
+        "global_steps": ts.global_steps, "micro_steps": ts.micro_steps,
+        "skipped_steps": ts.skipped_steps,
         **table.to_json(),
         "buckets": [b.to_json() for b in part.buckets],
         "optimizer": {"class": type(opt).__name__, "states": kinds, "param_groups": groups,
                       "json_states_in": "rank file metadata" if JSON in kinds.values() else None},
         "lr_scheduler": None if sched is None else {
             "class": type(sched).__name__, "state": json_safe(sched.state_dict(), "lr_scheduler state")},
-        "loss_scaler": json_safe(engine.loss_scaler.state_dict(), "loss scaler state"),
-        "config": json_safe(dict(engine.settings.raw), "config"),
-        "model_class": type(engine.module).__name__,
-        "model_config": model_config(engine.module),
+        "loss_scaler": json_safe(ts.loss_scaler.state_dict(), "loss scaler state"),
+        "config": json_safe(dict(ts.settings.raw), "config"),
+        "model_class": type(ts.module).__name__,
+        "model_config": model_config(ts.module),
         "client_state": client,
         "files": {name: info for rec in records for name, info in rec["files"].items()},
         "rng": [rec["rng"] for rec in records],

@@ -1,12 +1,12 @@
 """What a live engine saves: the tensors of one rank's file and the model's name table.
 
-Read-only over the engine (duck-typed: `buckets`, `frozen_buckets`, `optimizer`,
-`module`, `rank`), so the checkpoint layer does not import the api layer above it.
+Read-only over the engine's `TrainState` (stages/train_state.py: `buckets`,
+`frozen_buckets`, `optimizer`, `module`, `rank`), never over the Engine itself.
 
 At stage 3 a released parameter keeps its true shape but its data is one NaN expanded
 to that shape: values are never read through the module there. Trainable parameters
-are saved from the fp32 masters of `engine.buckets`, and the frozen parameters of units
-from each rank's at-rest shard of `engine.frozen_buckets` (field `value`).
+are saved from the fp32 masters of `ts.buckets`, and the frozen parameters of units
+from each rank's at-rest shard of `ts.frozen_buckets` (field `value`).
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ class NameTable:
         return {"names": self.names, "tensors": self.tensors, "tied": self.tied}
 
 
-def frozen_buckets(engine) -> list:
-    """The sharded frozen buckets of a stage-3 engine (none at stages 0-2)."""
-    return list(getattr(engine, "frozen_buckets", None) or [])
+def frozen_buckets(ts) -> list:
+    """The sharded frozen buckets of a stage-3 run (none at stages 0-2)."""
+    return list(ts.frozen_buckets)
 
 
-def name_table_of(engine) -> NameTable:
-    return name_table(engine.module, engine.buckets, frozen_buckets(engine))
+def name_table_of(ts) -> NameTable:
+    return name_table(ts.module, ts.buckets, frozen_buckets(ts))
 
 
 def name_table(module: torch.nn.Module, buckets, frozen=()) -> NameTable:
@@ -104,8 +104,8 @@ class RankFile:
     json_states: dict[str, dict[str, Any]]  # bucket key -> {state: value}
 
 
-def rank_file(engine, table: NameTable, pause: Callable[[str], None]) -> RankFile:
-    opt = engine.optimizer
+def rank_file(ts, table: NameTable, pause: Callable[[str], None]) -> RankFile:
+    opt = ts.optimizer
     kinds: dict[str, str] = {}
     for b, master in enumerate(opt.masters):
         for name, value in opt.state.get(master, {}).items():
@@ -118,11 +118,11 @@ def rank_file(engine, table: NameTable, pause: Callable[[str], None]) -> RankFil
     optim_entries: list[Entry] = []
     shards: list[list[int]] = []
     json_states: dict[str, dict[str, Any]] = {}
-    frozen = frozen_buckets(engine)
-    records = [bucket_record(bucket, fields, b) for b, bucket in enumerate(engine.buckets)]
-    records += [bucket_record(bucket, ("value",), len(engine.buckets) + f) for f, bucket in enumerate(frozen)]
-    for b, (bucket, master) in enumerate(zip(engine.buckets, opt.masters)):
-        if bucket.shard_index != engine.rank:  # the lowest rank holding a shard writes it
+    frozen = frozen_buckets(ts)
+    records = [bucket_record(bucket, fields, b) for b, bucket in enumerate(ts.buckets)]
+    records += [bucket_record(bucket, ("value",), len(ts.buckets) + f) for f, bucket in enumerate(frozen)]
+    for b, (bucket, master) in enumerate(zip(ts.buckets, opt.masters)):
+        if bucket.shard_index != ts.rank:  # the lowest rank holding a shard writes it
             continue
         shards.append([b, bucket.shard_index])
         entries.append(_entry(bucket_key(b, "master"), master))
@@ -135,12 +135,12 @@ def rank_file(engine, table: NameTable, pause: Callable[[str], None]) -> RankFil
             else:
                 optim_entries.append(_entry(bucket_key(b, f"optim.{name}"), state[name]))
     for f, bucket in enumerate(frozen):  # stage 3: the at-rest shard, in the compute dtype
-        if bucket.shard_index != engine.rank:
+        if bucket.shard_index != ts.rank:
             continue
-        b = len(engine.buckets) + f
+        b = len(ts.buckets) + f
         shards.append([b, bucket.shard_index])
         entries.append(_entry(bucket_key(b, "value"), bucket.shard()))
-    if engine.rank == 0:
+    if ts.rank == 0:
         entries += [_entry(module_key(name), t) for name, t in table.module_entries]
     if entries:
         middle = len(entries) // 2

@@ -55,10 +55,11 @@ def gather_memory(engine) -> list[dict[str, int]]:
     """Every rank's memory_stats() (now and peak, by category), on every rank. A collective."""
     stats = engine.memory_stats()
     keys = [*MEMORY_KINDS, *(f"peak_{k}" for k in MEMORY_KINDS)]
-    mine = torch.tensor([int(stats.get(k, 0)) for k in keys], dtype=torch.int64, device=engine.device)
-    everyone = torch.empty(engine.world_size * len(keys), dtype=torch.int64, device=engine.device)
-    engine.comm.all_gather(everyone, mine, what="zeroshard train: per-rank memory").wait()
-    rows = everyone.view(engine.world_size, len(keys)).tolist()
+    ts = engine.train_state
+    mine = torch.tensor([int(stats.get(k, 0)) for k in keys], dtype=torch.int64, device=ts.device)
+    everyone = torch.empty(ts.world_size * len(keys), dtype=torch.int64, device=ts.device)
+    ts.comm.all_gather(everyone, mine, what="zeroshard train: per-rank memory").wait()
+    rows = everyone.view(ts.world_size, len(keys)).tolist()
     return [dict(zip(keys, row)) for row in rows]
 
 

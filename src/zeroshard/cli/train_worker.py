@@ -70,10 +70,11 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 def _record(engine, tm: TrainModel) -> RunRecord:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     params = {id(p): p for p in tm.module.parameters()}.values()
-    rec = RunRecord(label=tm.label, stage=int(engine.settings.zero.stage), world=engine.world_size,
-                    backend=engine.topology.backend, phi=sum(p.numel() for p in params),
+    ts = engine.train_state
+    rec = RunRecord(label=tm.label, stage=int(ts.settings.zero.stage), world=ts.world_size,
+                    backend=ts.comm.topology.backend, phi=sum(p.numel() for p in params),
                     trainable=sum(p.numel() for p in params if p.requires_grad),
-                    itemsize=engine.compute_dtype.itemsize, skipped=0)
+                    itemsize=ts.compute_dtype.itemsize, skipped=0)
     rec.tokens_per_step = micro * gas * engine.world_size  # times seq_len, set by the loop
     return rec
 
