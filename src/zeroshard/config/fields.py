@@ -124,3 +124,67 @@ def section_at(root: type[Section], loc: tuple[Any, ...]) -> type[Section] | Non
             return None
         model = section_of(model, key)
     return model
+
+
+def _finite(value: Any) -> float:
+    number = _real(value)
+    if number != number or number in (float("inf"), float("-inf")):
+        raise PydanticCustomError("zs_type", "expected a finite number")
+    return number
+
+
+def _param_value(kind: str, value: Any) -> Any:
+    if kind == "number":
+        return _finite(value)
+    if kind == "numbers":  # one value, or one per parameter group
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise PydanticCustomError("zs_type", "expected a number or a non-empty list of numbers")
+            return [_finite(v) for v in value]
+        return _finite(value)
+    if kind == "pair":
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise PydanticCustomError("zs_type", "expected a list of two numbers")
+        try:
+            return [_finite(v) for v in value]
+        except PydanticCustomError:
+            raise PydanticCustomError("zs_type", "expected a list of two finite numbers") from None
+    if kind == "bool":
+        return _boolean(value)
+    if kind == "int":
+        return _integral(value)
+    if kind == "posint":
+        number = _integral(value)
+        if number <= 0:
+            raise PydanticCustomError("zs_type", "expected an integer > 0")
+        return number
+    return _text(value)
+
+
+def check_free_params(params: dict[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+    """`params` (optimizer / scheduler) with each known key's value checked and coerced to its
+    kind; one error naming every bad key. Unknown keys pass through for the builders to judge."""
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in params.items():
+        kind = kinds.get(key) if isinstance(key, str) else None
+        if kind is None:
+            out[key] = value
+            continue
+        try:
+            out[key] = _param_value(kind, value)
+        except PydanticCustomError as exc:
+            problems.append(f"{key} = {_shown(value)}: {exc.message()}")
+    if problems:
+        raise PydanticCustomError("zs_rule", "{problems}", {"problems": "; ".join(problems)})
+    return out
+
+
+def _shown(value: Any) -> str:
+    import json
+
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

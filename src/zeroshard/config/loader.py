@@ -81,14 +81,15 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike, world_size: int, 
         data, origin = read_json(source), str(source)
     else:
         raise ConfigError(f"config must be a dict or the path of a JSON file, not {type(source).__name__}")
+    renames: dict[tuple, tuple] = {}
     try:
-        data, notes = normalize(data, hidden_size)
+        data, notes = normalize(data, hidden_size, renames)
     except ConfigError as exc:
         raise type(exc)(f"{origin}: {exc}") from None
     try:
         config = RootConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(to_config_error(RootConfig, exc, origin)) from None
+        raise ConfigError(to_config_error(RootConfig, exc, origin, renames)) from None
     try:
         precision_policy(config)
         notes += check_support(config)

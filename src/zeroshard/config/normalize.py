@@ -37,14 +37,20 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def _rename(block: dict, old: str, new: str, where: str) -> None:
-    """Move block[old] to block[new]; both given with different values is an error."""
+def _rename(block: dict, old: str, new: str, where: str, renames: dict | None = None) -> None:
+    """Move block[old] to block[new]; both given with different values is an error.
+
+    `renames` records (path of the new key) -> (path the user wrote), so that a validation
+    error names the key as the user spelt it."""
     value = block.pop(old)
     if new in block and block[new] != value:
         raise ConfigError(
             f"{where}: {old!r} = {value!r} and {new!r} = {block[new]!r} are both given; "
             f"{old!r} is another name for {new!r}, keep one")
     block[new] = value
+    if renames is not None:
+        prefix = tuple(where.split(".")) if where else ()
+        renames[prefix + (new,)] = prefix + (old,)
 
 
 def _refuse_removed(data: dict) -> None:
@@ -58,11 +64,26 @@ def _refuse_removed(data: dict) -> None:
             "(0.19 rejects them with DeepSpeedConfigError); delete them from the config")
 
 
-def _legacy_top(data: dict, notes: list[str]) -> None:
+def _refuse_non_string_keys(node: Any, path: str = "") -> None:
+    """Keys must be strings (as in JSON); say which, exactly (pydantic shows `True` as 1)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                where = f"in {path}" if path else "at top level"
+                raise ConfigError(f"key {key!r} {where} is not a string; "
+                                  "keys must be strings")
+            _refuse_non_string_keys(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _refuse_non_string_keys(value, f"{path}[{i}]")
+
+
+def _legacy_top(data: dict, notes: list[str], renames: dict) -> None:
     if "bfloat16" in data:
         if "bf16" in data:
             raise ConfigError("both 'bf16' and its legacy name 'bfloat16' are given; keep 'bf16'")
         data["bf16"] = data.pop("bfloat16")
+        renames[("bf16",)] = ("bfloat16",)
         notes.append("'bfloat16' is the legacy name of 'bf16'; read as bf16")
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):
@@ -94,13 +115,13 @@ def _offload_flag(zero: dict, old: str, new: str, notes: list[str]) -> None:
         zero[new] = {"device": "cpu"}
 
 
-def _zero_rewrites(data: dict, zero: dict, notes: list[str]) -> None:
+def _zero_rewrites(data: dict, zero: dict, notes: list[str], renames: dict) -> None:
     for alias, canonical in STAGE3_ALIASES.items():
         if alias in zero:
-            _rename(zero, alias, canonical, "zero_optimization")
+            _rename(zero, alias, canonical, "zero_optimization", renames)
     old16 = "stage3_gather_fp16_weights_on_model_save"
     if old16 in zero:
-        _rename(zero, old16, "gather_16bit_weights_on_model_save", "zero_optimization")
+        _rename(zero, old16, "gather_16bit_weights_on_model_save", "zero_optimization", renames)
         notes.append(f"zero_optimization.{old16} is deprecated; read as "
                      "zero_optimization.stage3_gather_16bit_weights_on_model_save")
     if "cpu_offload" in zero:
@@ -125,9 +146,9 @@ def _zero_rewrites(data: dict, zero: dict, notes: list[str]) -> None:
         notes.append("zero_optimization.aio moved to the top-level aio block (where DeepSpeed reads it)")
 
 
-def _aio_rewrites(aio: dict, notes: list[str]) -> None:
+def _aio_rewrites(aio: dict, notes: list[str], renames: dict) -> None:
     if "thread_count" in aio:
-        _rename(aio, "thread_count", "intra_op_parallelism", "aio")
+        _rename(aio, "thread_count", "intra_op_parallelism", "aio", renames)
         notes.append("aio.thread_count is the old name of aio.intra_op_parallelism; read as "
                      f"intra_op_parallelism = {aio['intra_op_parallelism']} (DeepSpeed 0.19 silently ignores it)")
 
@@ -172,16 +193,22 @@ def _resolve_auto(data: dict, hidden_size: int | None, notes: list[str]) -> None
         notes.append('"auto" left to the default for: ' + ", ".join(dropped) + hint)
 
 
-def normalize(config: Mapping[str, Any], hidden_size: int | None) -> tuple[dict[str, Any], list[str]]:
-    """A rewritten deep copy of `config` and the notes describing each rewrite."""
+def normalize(config: Mapping[str, Any], hidden_size: int | None,
+              renames: dict[tuple, tuple] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """A rewritten deep copy of `config` and the notes describing each rewrite.
+
+    When `renames` is given it is filled with (path after the rewrite) -> (path as written)
+    for every renamed key, for error messages."""
     data = copy.deepcopy(dict(config))
     notes: list[str] = []
+    renames = {} if renames is None else renames
+    _refuse_non_string_keys(data)
     _refuse_removed(data)
-    _legacy_top(data, notes)
+    _legacy_top(data, notes, renames)
     zero = data.get("zero_optimization")
     if isinstance(zero, dict):
-        _zero_rewrites(data, zero, notes)
+        _zero_rewrites(data, zero, notes, renames)
     if isinstance(data.get("aio"), dict):
-        _aio_rewrites(data["aio"], notes)
+        _aio_rewrites(data["aio"], notes, renames)
     _resolve_auto(data, hidden_size, notes)
     return data, notes

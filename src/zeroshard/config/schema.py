@@ -15,13 +15,28 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from zeroshard.config.fields import (
-    Bool, Int, NonNegInt, NonNegReal, PosInt, PosReal, Section, Text,
+    Bool, Int, NonNegInt, NonNegReal, PosInt, PosReal, Section, Text, check_free_params,
 )
 from zeroshard.config.suggest import did_you_mean
 from zeroshard.config.support import KNOWN_OPTIMIZERS, KNOWN_SCHEDULERS
 from zeroshard.config.zero_schema import ZeroConfig
 
 ReduceDtype = Literal["fp32", "fp16", "bf16"]
+
+# The value kind of each optimizer / scheduler parameter zeroshard's builders read (the
+# builders own which keys each type accepts; this only keeps a wrong type from reaching
+# torch as a TypeError). Keys not listed pass through unchecked.
+OPTIMIZER_PARAM_KINDS = {
+    "lr": "number", "eps": "number", "weight_decay": "number", "momentum": "number", "dampening": "number",
+    "lr_decay": "number", "initial_accumulator_value": "number", "betas": "pair",
+    "amsgrad": "bool", "nesterov": "bool", "bias_correction": "bool", "adam_w_mode": "bool",
+    "torch_adam": "bool",
+}
+SCHEDULER_PARAM_KINDS = {
+    "warmup_min_lr": "numbers", "warmup_max_lr": "numbers", "warmup_min_ratio": "number",
+    "cos_min_ratio": "number", "warmup_num_steps": "posint", "total_num_steps": "posint",
+    "last_batch_iteration": "int", "warmup_type": "text",
+}
 
 
 class FP16Config(Section):
@@ -65,7 +80,7 @@ class OptimizerConfig(Section):
             raise PydanticCustomError(
                 "zs_rule", "max_grad_norm is not an optimizer parameter; "
                 "use the top-level gradient_clipping instead (DeepSpeed refuses it too)")
-        return params
+        return check_free_params(params, OPTIMIZER_PARAM_KINDS)
 
 
 class SchedulerConfig(Section):
@@ -80,6 +95,11 @@ class SchedulerConfig(Section):
                 "zs_value", "unknown scheduler type{hint}",
                 {"hint": did_you_mean(name, KNOWN_SCHEDULERS)})
         return name
+
+    @field_validator("params")
+    @classmethod
+    def _param_types(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return check_free_params(params, SCHEDULER_PARAM_KINDS)
 
 
 class CommsLoggerConfig(Section):

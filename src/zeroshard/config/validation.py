@@ -96,12 +96,24 @@ def _expected(error: dict[str, Any]) -> str:
     return msg.removeprefix("Value error, ")
 
 
-def describe(root: type[Section], error: dict[str, Any]) -> str:
-    """One line for one pydantic error."""
-    loc = tuple(error["loc"])
+def _as_written(loc: tuple[Any, ...], renames: dict[tuple, tuple] | None) -> tuple[Any, ...]:
+    """`loc` with its longest renamed prefix put back the way the user spelt it."""
+    for n in range(len(loc), 0, -1):
+        if renames and loc[:n] in renames:
+            return tuple(renames[loc[:n]]) + loc[n:]
+    return loc
+
+
+def describe(root: type[Section], error: dict[str, Any], renames: dict[tuple, tuple] | None = None) -> str:
+    """One line for one pydantic error (key paths as the user wrote them, given `renames`)."""
+    schema_loc = tuple(error["loc"])
+    loc = _as_written(schema_loc, renames)
     kind = error["type"]
     if kind == "extra_forbidden":
-        return _unknown_key(root, loc)
+        text = _unknown_key(root, schema_loc)
+        if loc != schema_loc and schema_loc[:-1]:
+            text = text.replace(f"in {_dotted(schema_loc[:-1])}", f"in {_dotted(loc[:-1])}", 1)
+        return text
     if kind == "invalid_key":
         where = f"in {_dotted(loc[:-1])}" if loc[:-1] else "at top level"
         return f"key {loc[-1]!r} {where} is not a string; keys must be strings"
@@ -113,9 +125,10 @@ def describe(root: type[Section], error: dict[str, Any]) -> str:
     return f"{path} = {_show(error.get('input'))}: {_expected(error)}"
 
 
-def to_config_error(root: type[Section], exc: ValidationError, origin: str) -> str:
+def to_config_error(root: type[Section], exc: ValidationError, origin: str,
+                    renames: dict[tuple, tuple] | None = None) -> str:
     """The message of the single ConfigError replacing `exc`."""
-    lines = list(dict.fromkeys(describe(root, e) for e in exc.errors(include_url=False)))
+    lines = list(dict.fromkeys(describe(root, e, renames) for e in exc.errors(include_url=False)))
     if len(lines) == 1:
         return f"{origin}: {lines[0]}"
     return f"{origin}: {len(lines)} problems:\n" + "\n".join(f"  - {line}" for line in lines)
