@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, root: str):
         engine = zeroshard.initialize(lora_model(), zero_config(stage))
         train(engine, rank, STEPS)
         engine.save_checkpoint(f"{root}/ckpt-z{stage}")
-        save_adapter(engine, f"{root}/online-z{stage}")
+        engine.save_adapter(f"{root}/online-z{stage}")  # the Engine method over checkpoint.adapter
         with torch.no_grad():
             out[stage] = engine(input_ids=PROBE).logits.float()
         engine.close()
@@ -189,21 +189,29 @@ def test_export_reads_only_trainable_masters_one_tensor_at_a_time(trained, tmp_p
     assert max(n for _, n in reads) <= largest_tensor <= max(b["padded_numel"] for b in trainable)
 
 
-def test_recorded_peft_config_needs_no_alpha(trained, tmp_path):
-    """A checkpoint whose meta.json records the peft config (`peft_meta`, under PEFT_META_KEY)
-    exports without --lora-alpha. Until save_checkpoint records it, the test writes it."""
-    from zeroshard.checkpoint.adapter import PEFT_META_KEY, export_adapter, peft_meta
-
-    root, logits = trained
-    tag = next((root / "ckpt-z2").glob("global_step*"))
-    copy = tmp_path / "ckpt"
+def _without_peft_meta(root, tmp_path):
+    """A copy of the stage-2 checkpoint as an older save wrote it: no peft config recorded."""
     import shutil
 
-    shutil.copytree(tag, copy)
+    from zeroshard.checkpoint.adapter import PEFT_META_KEY
+
+    copy = tmp_path / "old-ckpt"
+    shutil.copytree(next((root / "ckpt-z2").glob("global_step*")), copy)
     meta = json.loads((copy / "meta.json").read_text())
-    meta.setdefault(PEFT_META_KEY, peft_meta(lora_model()))
+    meta.pop(PEFT_META_KEY)
     (copy / "meta.json").write_text(json.dumps(meta))
-    export_adapter(copy, tmp_path / "out")
+    return copy
+
+
+def test_recorded_peft_config_needs_no_alpha(trained, tmp_path):
+    """save_checkpoint records the peft config (`peft_meta`, under PEFT_META_KEY) in meta.json,
+    so the export needs no --lora-alpha."""
+    from zeroshard.checkpoint.adapter import PEFT_META_KEY, export_adapter
+
+    root, logits = trained
+    meta = json.loads(next((root / "ckpt-z2").glob("global_step*")).joinpath("meta.json").read_text())
+    assert meta[PEFT_META_KEY]["config"]["lora_alpha"] == ALPHA
+    export_adapter(root / "ckpt-z2", tmp_path / "out")
     cfg = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert cfg["lora_alpha"] == ALPHA and cfg["peft_type"] == "LORA"
     assert (peft_logits(tmp_path / "out") - logits[2]).abs().max().item() <= 1e-5
@@ -239,6 +247,6 @@ def test_adapter_only_on_a_checkpoint_without_adapters_is_one_clear_error(traine
     assert "--adapter-only needs a checkpoint of a model with peft LoRA adapters" in err
     assert not (tmp_path / "x").exists()
     # a LoRA checkpoint that does not record lora_alpha: says what to pass
-    assert main(["export", f"{root}/ckpt-z2", str(tmp_path / "y"), "--adapter-only"]) == 2
+    assert main(["export", str(_without_peft_meta(root, tmp_path)), str(tmp_path / "y"), "--adapter-only"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--lora-alpha" in err

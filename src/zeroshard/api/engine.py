@@ -360,6 +360,13 @@ class Engine:
 
         return save_16bit_model(self, save_dir, max_shard_size)
 
+    def save_adapter(self, save_dir) -> list[str]:
+        """The LoRA adapter in peft's format (adapter_model.safetensors + adapter_config.json);
+        rank 0 writes, call on every rank. Stage 3 gathers trainable buckets only."""
+        from zeroshard.checkpoint.adapter import save_adapter
+
+        return save_adapter(self, save_dir)
+
     def close(self) -> None:
         """Remove hooks, and destroy the process group if `initialize` created it."""
         self.grads.remove_hooks()

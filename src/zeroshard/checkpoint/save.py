@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint import rng
+from zeroshard.checkpoint.adapter import PEFT_META_KEY, peft_meta
 from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree, all_records
 from zeroshard.checkpoint.files import fsync_dir, write_safetensors, write_small
@@ -154,6 +155,7 @@ def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> d
         "config": json_safe(dict(ts.settings.raw), "config"),
         "model_class": type(ts.module).__name__,
         "model_config": model_config(ts.module),
+        PEFT_META_KEY: peft_meta(ts.module),  # lora_alpha and targets, for `export --adapter-only`
         "client_state": client,
         "files": {name: info for rec in records for name, info in rec["files"].items()},
         "rng": [rec["rng"] for rec in records],
