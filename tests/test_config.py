@@ -307,11 +307,10 @@ def test_no_pydantic_error_escapes():
 
 
 _NSY = [
-    (_zero2(offload_optimizer={"device": "cpu"}), 'zero_optimization.offload_optimizer.device = "cpu"'),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
      'zero_optimization.offload_optimizer.device = "nvme"'),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-     'zero_optimization.offload_param.device = "cpu"'),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+     'zero_optimization.offload_param.device = "nvme"'),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights = true"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "zero_quantized_gradients = true"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_hpz_partition_size = 8"),
@@ -349,9 +348,30 @@ def test_not_supported_yet(cfg, words):
 
 
 def test_not_supported_yet_lists_every_gap():
-    msg = _error(HF_ZERO3, NotSupportedYetError)
+    cfg = copy.deepcopy(HF_ZERO3)
+    for block in ("offload_optimizer", "offload_param"):
+        cfg["zero_optimization"][block] = {"device": "nvme", "nvme_path": "/nvme"}
+    msg = _error(cfg, NotSupportedYetError)
     assert "zero_optimization.stage = 3" not in msg  # stage 3 is built
     assert "offload_optimizer.device" in msg and "offload_param.device" in msg
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_offload_is_built(stage):
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    s = load_config({"zero_optimization": zero, "gradient_clipping": 1.0}, 2)
+    assert s.zero.offload_optimizer.device is OffloadDevice.CPU and s.zero.offload_optimizer.pin_memory
+    assert s.zero.offload_param.device is (OffloadDevice.CPU if stage == 3 else OffloadDevice.NONE)
+
+
+def test_offload_below_the_stage_that_uses_it_is_a_note():
+    s = load_config({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"},
+                                           "offload_param": {"device": "cpu"}}}, 2)
+    note = "\n".join(s.notes)
+    assert 'offload_optimizer.device = "cpu"' in note and 'offload_param.device = "cpu"' in note
+    assert s.zero.offload_optimizer.device is OffloadDevice.NONE
 
 
 def test_stage3_loads_with_its_knobs():
@@ -381,14 +401,14 @@ def test_fp16_only_features_ignored_when_fp16_disabled():
 
 # ---------------------------------------------------------------- real configs
 
-def test_hf_zero3_raises_not_supported_for_its_offload(tmp_path):
-    msg = _error(_write(tmp_path, HF_ZERO3), NotSupportedYetError, hidden_size=4096)
-    assert "offload_param.device" in msg and "ds_config.json" in msg
+def test_hf_zero3_with_its_cpu_offload_loads(tmp_path):
+    s = load_config(_write(tmp_path, HF_ZERO3), 8, hidden_size=4096)
+    assert s.zero.offload_param.device is OffloadDevice.CPU and s.zero.offload_optimizer.device is OffloadDevice.CPU
 
 
-def test_hf_zero2_with_cpu_offload_is_not_supported_yet(tmp_path):
-    msg = _error(_write(tmp_path, HF_ZERO2), NotSupportedYetError)
-    assert 'offload_optimizer.device = "cpu"' in msg
+def test_hf_zero2_with_cpu_offload_loads(tmp_path):
+    s = load_config(_write(tmp_path, HF_ZERO2), 8)
+    assert s.zero.stage is Stage.GRADIENTS and s.zero.offload_optimizer.device is OffloadDevice.CPU
 
 
 def test_hf_zero2_without_offload_loads(tmp_path):
@@ -507,8 +527,8 @@ def test_deprecated_zero_keys_are_mapped_with_notes():
     assert "cpu_offload" not in s.raw["zero_optimization"]
     notes = "\n".join(s.notes)
     assert "cpu_offload is deprecated" in notes and "stage3_gather_fp16_weights_on_model_save is deprecated" in notes
-    msg = _error({"zero_optimization": {"stage": 2, "cpu_offload": True}}, NotSupportedYetError)
-    assert 'offload_optimizer.device = "cpu"' in msg
+    s = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}, 1)
+    assert s.zero.offload_optimizer.device is OffloadDevice.CPU
 
 
 def test_aio_nested_in_zero_optimization_with_thread_count():

@@ -54,6 +54,12 @@ def startup_banner(engine: "Engine", parts: ModelParts) -> list[str]:
         f"  offload: optimizer {z.offload_optimizer.device.value}, parameters {z.offload_param.device.value}; "
         f"collective timeout {s.runtime.comm_timeout_s:g}s",
     ]
+    if engine.host_threads:
+        lines.append(f"  optimizer shards by tier: {engine.optimizer.tier_summary()}; host step: {kernel} "
+                     f"{type(engine.optimizer.optimizer).__name__} kernel, {engine.host_threads}, after backward "
+                     "at the accumulation boundary (as DeepSpeed)"
+                     + ("" if topo.device.type == "cuda" else "; host and device are the same memory here: "
+                        "no copies, the ledger's tiers say where each byte belongs"))
     if z.stage == Stage.PARAMETERS:
         persistent = sum(bk.layout.numel for bk in engine.buckets if not isinstance(bk, UnitBucket))
         lines += [f"  {line}" for line in describe_units(engine.units, engine.unit_rule, persistent, z.stage3)]

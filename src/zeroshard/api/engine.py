@@ -33,6 +33,7 @@ from zeroshard.stages.assembly import (
 from zeroshard.api.banner import startup_banner
 from zeroshard.api.gathered import register_engine
 from zeroshard.comm import Comm, CommLedger, Topology
+from zeroshard.offload import host_step_threads, optimizer_tiers
 from zeroshard.optim.clipping import clip_coefficient, global_grad_norm
 from zeroshard.optim.loss_scaler import make_loss_scaler
 from zeroshard.optim.schedulers import build_scheduler
@@ -72,8 +73,11 @@ class Engine:
                                                  if id(p) not in sharded))
         # a sub-group's 16-bit gradients are upcast to fp32 together: at most one bucket's worth
         sub_group = min(zero.sub_group_size, zero.reduce_bucket_size)
+        tiers = optimizer_tiers(zero.offload_optimizer, [b.shard().numel() for b in self.buckets], topology.device)
+        self.host_threads = host_step_threads(topology.local_world_size)[1] if any(
+            t.name == "host" for t in tiers) else ""
         self.optimizer = ShardedOptimizer(self.buckets, masters, self.plan.build, self.plan.group_options,
-                                          self.memory, sub_group)
+                                          self.memory, sub_group, tiers)
         self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
         self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)
 
@@ -316,7 +320,8 @@ class Engine:
             full_of[id(bucket)] = full.cpu()
         for bucket in self.frozen_buckets:
             full = bucket.new_full()
-            self.comm.all_gather(full, bucket.shard(), what=f"full state dict, frozen unit '{bucket.name}'").wait()
+            self.comm.all_gather(full, bucket.gather_input(),
+                                 what=f"full state dict, frozen unit '{bucket.name}'").wait()
             full_of[id(bucket)] = full.float().cpu()
             self.memory.release("params", f"{bucket.key}.full")
         out: dict[str, torch.Tensor] = {}

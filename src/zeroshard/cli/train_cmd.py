@@ -41,6 +41,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, help="samples per rank per micro-step (default 8, or the config's)")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R (peft) only")
     p.add_argument("--bf16", action="store_true", help="train in bf16 with fp32 master weights")
+    p.add_argument("--offload", choices=("none", "cpu"), default="none",
+                   help="cpu: optimizer states (and, at stage 3, parameter shards) on host memory (ZeRO-Offload)")
     p.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR every --save-every steps and at the end")
     p.add_argument("--save-every", type=int, default=100, metavar="K", help="steps between checkpoints (default 100)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save DIR")
@@ -99,7 +101,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     """The training options again, for the worker's command line."""
     argv = ["--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
             "--seed", str(args.seed), "--lora", str(args.lora), "--save-every", str(args.save_every),
-            "--report", args.report]
+            "--report", args.report, "--offload", args.offload]
     for flag, value in (("--config", args.config), ("--data", args.data), ("--stage", args.stage),
                         ("--micro-batch", args.micro_batch), ("--save", args.save)):
         if value is not None:

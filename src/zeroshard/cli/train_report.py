@@ -54,7 +54,7 @@ def make_progress(console: Console, total: int, disable: bool) -> Progress:
 def gather_memory(engine) -> list[dict[str, int]]:
     """Every rank's memory_stats() (now and peak, by category), on every rank. A collective."""
     stats = engine.memory_stats()
-    keys = [*MEMORY_KINDS, *(f"peak_{k}" for k in MEMORY_KINDS)]
+    keys = [*MEMORY_KINDS, *(f"peak_{k}" for k in MEMORY_KINDS), "tier_device", "tier_host", "tier_nvme"]
     ts = engine.train_state
     mine = torch.tensor([int(stats.get(k, 0)) for k in keys], dtype=torch.int64, device=ts.device)
     everyone = torch.empty(ts.world_size * len(keys), dtype=torch.int64, device=ts.device)
@@ -103,6 +103,8 @@ def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shar
         ("model states, rank 0", f"{held / MiB:.2f} MiB vs plain DP {plain / MiB:.2f} MiB ({held / plain:.2f}x)"),
         ("  at rest", f"params {mem['params'] / MiB:.2f}, grads {mem['grads'] / MiB:.2f}, "
                       f"optimizer {mem['optimizer_states'] / MiB:.2f} MiB"),
+        ("  by tier", ", ".join(f"{t} {mem.get('tier_' + t, 0) / MiB:.2f} MiB" for t in ("device", "host", "nvme")
+                                if mem.get("tier_" + t) or t == "device")),
         ("communication per step", f"{paper / rec.phi:.3f} x Phi (paper units) vs plain DP "
                                    f"{2 * rec.trainable / rec.phi:.3f} x Phi"),
         ("throughput", f"{rec.steps_run * rec.tokens_per_step / max(rec.seconds, 1e-9):,.0f} tokens/s, "

@@ -72,6 +72,11 @@ def _device(block: Any) -> str | None:
     return block.device if block is not None and block.device != "none" else None
 
 
+def _nvme(block: Any) -> str | None:
+    """Host offload (cpu) is built; the NVMe tier is not yet."""
+    return "nvme" if _device(block) == "nvme" else None
+
+
 def _when(flag: bool, value: Any = True) -> Any:
     return value if flag else None
 
@@ -97,8 +102,8 @@ def _unbuilt_scheduler(c: "RootConfig") -> str | None:
 _Z = "zero_optimization."
 GAPS: tuple[Gap, ...] = (
     Gap(_Z + "stage", lambda c: _when(c.stage == 3, 3), "0, 1 or 2", built=True),
-    Gap(_Z + "offload_optimizer.device", lambda c: _device(c.zero.offload_optimizer), '"none"', ZERO_STAGES),
-    Gap(_Z + "offload_param.device", lambda c: _device(c.zero.offload_param), '"none"', STAGE3),
+    Gap(_Z + "offload_optimizer.device", lambda c: _nvme(c.zero.offload_optimizer), '"cpu" or "none"', ZERO_STAGES),
+    Gap(_Z + "offload_param.device", lambda c: _nvme(c.zero.offload_param), '"cpu" or "none"', STAGE3),
     Gap(_Z + "zero_quantized_weights", lambda c: _when(c.zero.zero_quantized_weights), "false", STAGE3),
     Gap(_Z + "zero_quantized_gradients", lambda c: _when(c.zero.zero_quantized_gradients), "false", STAGE3),
     Gap(_Z + "zero_quantized_nontrainable_weights",
@@ -168,6 +173,10 @@ def check_support(config: "RootConfig") -> list[str]:
                       f"remove it or set it to {gap.fix}")
     if errors:
         raise NotSupportedYetError("\n".join(errors))
+    for name, lowest in (("offload_optimizer", 1), ("offload_param", 3)):  # host offload is built
+        device = _device(getattr(config.zero, name))
+        if device and stage < lowest and f"{_Z}{name}." not in " ".join(ignored):
+            ignored.append(f"{_Z}{name}.device = {_show(device)}")
     if stage < 3 and config.zero_optimization is not None:
         set_keys = config.zero_optimization.model_fields_set
         already = " ".join(ignored)

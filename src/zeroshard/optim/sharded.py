@@ -6,6 +6,13 @@ are exactly K x (shard elements). Steps run in sub-groups of `sub_group_size`
 elements (DeepSpeed's knob): only one sub-group's fp32 gradients exist at a time,
 and each bucket's updated shard is handed back (`after_bucket`) for publishing while
 the next sub-group steps.
+
+Each bucket's master and states live on a tier (`zeroshard.offload`): the device, or the
+host with `offload_optimizer` (ZeRO-Offload). A host sub-group's gradient shards are copied
+to the host before it steps (on CUDA through pinned staging buffers on a side stream, the
+next sub-group's copy overlapping this one's step) and its updated masters are written back
+to the device shards. Where host and device are the same memory (a CPU-only machine) no
+copy is made: the tier only says, in the ledger, where each byte belongs.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from zeroshard.offload import DeviceTier, Tier
 from zeroshard.partition import FlatBucket, MemoryLedger
 
 Builder = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -34,12 +42,22 @@ def sub_groups(sizes: list[int], cap: int) -> list[list[int]]:
 
 class ShardedOptimizer:
     def __init__(self, buckets: list[FlatBucket], masters: list[torch.Tensor | None], build: Builder,
-                 group_options: list[dict[str, Any]], memory: MemoryLedger, sub_group_size: int) -> None:
+                 group_options: list[dict[str, Any]], memory: MemoryLedger, sub_group_size: int,
+                 tiers: list[Tier] | None = None) -> None:
         """`masters[b]` is the fp32 value of bucket b's shard, taken before any cast to 16 bits,
-        or None when the shard is fp32 already: then the shard itself is the master."""
+        or None when the shard is fp32 already: then the shard itself is the master, unless
+        bucket b's tier (`tiers[b]`, the device by default) is other memory than the shard's."""
         self.buckets, self.memory = buckets, memory
-        self.masters = [m if m is not None else b.shard() for m, b in zip(masters, buckets)]
-        self._separate = [m is not None for m in masters]
+        self.tiers = tiers or [DeviceTier(b.shard().device) for b in buckets]
+        self.masters = []
+        for m, b, tier in zip(masters, buckets, self.tiers):
+            shard = b.shard()
+            if m is None and tier.same_memory(shard.device):
+                self.masters.append(shard)
+            else:
+                self.masters.append(tier.place(m if m is not None else shard.detach().float(), copy=m is None))
+        self._separate = [m.data_ptr() != b.shard().data_ptr() for m, b in zip(self.masters, buckets)]
+        self._staging = _GradStaging(self.masters, buckets)
         groups = [
             {**options, "params": [m for m, b in zip(self.masters, buckets) if b.layout.group == g]}
             for g, options in enumerate(group_options)
@@ -74,34 +92,106 @@ class ShardedOptimizer:
         `scale` folds loss-scale removal and clipping into one multiply. A gradient
         already in fp32 is scaled in place (the engine clears it after the step
         anyway); a 16-bit one is upcast into a temporary that lives for one sub-group."""
-        for indices in self._sub_groups:
+        staged = self._staging.start(self._sub_groups[0], grad_shard) if self._sub_groups else None
+        for k, indices in enumerate(self._sub_groups):
+            grads = self._staging.finish(staged)
+            if k + 1 < len(self._sub_groups):  # the next sub-group's device->host copy overlaps this step
+                staged = self._staging.start(self._sub_groups[k + 1], grad_shard)
             upcast = 0
-            for b in indices:
-                g = grad_shard(b)
+            for b, g in zip(indices, grads):
                 if g.dtype == torch.float32:
                     self.masters[b].grad = g.mul_(scale) if scale != 1.0 else g
                 else:
                     self.masters[b].grad = g.float().mul_(scale)
                     upcast += g.numel() * 4
-            self.memory.hold("grads", "fp32_subgroup", upcast)
+            self.memory.hold("grads", "fp32_subgroup", upcast, tier=self.tiers[indices[0]].name)
             self.optimizer.step()
             for b in indices:
                 self.masters[b].grad = None
                 if self._separate[b]:
-                    self.buckets[b].shard().copy_(self.masters[b])
+                    self.tiers[b].store(self.buckets[b].shard(), self.masters[b])
                 after_bucket(b)
             self.memory.release("grads", "fp32_subgroup")
         self._count_states()
 
-    def _state_tensors(self) -> Iterator[torch.Tensor]:
-        for per_param in self.optimizer.state.values():
-            for value in per_param.values():
-                if torch.is_tensor(value) and value.dim() > 0:  # skip scalar step counters
-                    yield value
+    def _state_tensors(self, master: torch.Tensor) -> Iterator[torch.Tensor]:
+        for value in self.optimizer.state.get(master, {}).values():
+            if torch.is_tensor(value) and value.dim() > 0:  # skip scalar step counters
+                yield value
 
     def _count_states(self) -> None:
-        """Masters that are the parameter shards themselves are counted as parameters, not here."""
-        master_bytes = sum(m.numel() * m.element_size() for m, own in zip(self.masters, self._separate) if own)
-        state_bytes = sum(t.numel() * t.element_size() for t in self._state_tensors())
-        self.memory.hold("optimizer_states", "master", master_bytes)
-        self.memory.hold("optimizer_states", "states", state_bytes)
+        """Per tier. Masters that are the parameter shards themselves are counted as parameters."""
+        master_bytes: dict[str, int] = {}
+        state_bytes: dict[str, int] = {}
+        for m, own, tier in zip(self.masters, self._separate, self.tiers):
+            if own:
+                master_bytes[tier.name] = master_bytes.get(tier.name, 0) + m.numel() * m.element_size()
+            state_bytes[tier.name] = state_bytes.get(tier.name, 0) + sum(
+                t.numel() * t.element_size() for t in self._state_tensors(m))
+        for name in {t.name for t in self.tiers}:
+            self.memory.hold("optimizer_states", f"master.{name}", master_bytes.get(name, 0), tier=name)
+            self.memory.hold("optimizer_states", f"states.{name}", state_bytes.get(name, 0), tier=name)
+
+    def tier_summary(self) -> str:
+        """'host 12.3M elements in 4 sub-group(s)', per tier, for the start-up lines."""
+        parts = []
+        for name in sorted({t.name for t in self.tiers}):
+            idx = [b for b, t in enumerate(self.tiers) if t.name == name]
+            parts.append(f"{name} {sum(self.masters[b].numel() for b in idx):,} elements "
+                         f"({len(idx)} bucket shard(s))")
+        return ", ".join(parts)
+
+
+class _GradStaging:
+    """Gradient shards on their master's memory for a sub-group's step. Same memory: the
+    shard itself. CUDA device -> host: two pinned buffers of the largest sub-group, filled on
+    a side stream, so the copy of sub-group k+1 overlaps the step of sub-group k."""
+
+    def __init__(self, masters: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
+        self._crossing = [m.device != b.shard().device for m, b in zip(masters, buckets)]
+        self._masters = masters
+        self._stream = None
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+        if any(self._crossing) and torch.cuda.is_available():
+            self._stream = torch.cuda.Stream()
+
+    def start(self, indices: list[int], grad_shard: Callable[[int], torch.Tensor]):
+        grads = [grad_shard(b) for b in indices]
+        if not any(self._crossing[b] for b in indices):
+            return grads, None
+        if self._stream is None:  # no CUDA: a plain copy (a device other than cpu without streams)
+            return [g.to(self._masters[b].device) if self._crossing[b] else g for b, g in zip(indices, grads)], None
+        need = sum(g.numel() for b, g in zip(indices, grads) if self._crossing[b])
+        buffer = self._buffer(need, grads[0].dtype)
+        self._stream.wait_stream(torch.cuda.current_stream())  # the gradients are final
+        out, offset = [], 0
+        with torch.cuda.stream(self._stream):
+            for b, g in zip(indices, grads):
+                if not self._crossing[b]:
+                    out.append(g)
+                    continue
+                dst = buffer[offset: offset + g.numel()].view_as(g)
+                dst.copy_(g, non_blocking=True)
+                g.record_stream(self._stream)
+                out.append(dst)
+                offset += g.numel()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return out, event
+
+    def finish(self, staged) -> list[torch.Tensor]:
+        grads, event = staged
+        if event is not None:
+            event.synchronize()  # the host reads these buffers next
+        return grads
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self._turn ^= 1
+        while len(self._buffers) < 2:
+            self._buffers.append(torch.empty(0, dtype=dtype).pin_memory())
+        buf = self._buffers[self._turn]
+        if buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype).pin_memory()
+            self._buffers[self._turn] = buf
+        return buf

@@ -24,6 +24,7 @@ class UnitBucket(FlatBucket):
         self.name = name  # the unit's module path, for messages
         self._shard: torch.Tensor | None = None
         self._dtype, self._device = self.data.dtype, self.data.device
+        self._home = None  # a tier (zeroshard.offload) holding the shard, when not the device
 
     @property
     def label(self) -> str:
@@ -49,7 +50,21 @@ class UnitBucket(FlatBucket):
         self.release()
 
     def shard(self) -> torch.Tensor:
+        """This rank's shard where it lives (on the host with `offload_param`)."""
         return self._shard if self._shard is not None else super().shard()
+
+    def move_shard(self, tier) -> None:
+        """Keep the at-rest shard on `tier` (offload_param); counted there by the ledger."""
+        self._shard = tier.place(self._shard)
+        self._home = tier
+        self.memory.hold("params", self.key, self._shard.numel() * self._shard.element_size(), tier=tier.name)
+
+    def gather_input(self) -> torch.Tensor:
+        """The shard on the device, as the all-gather needs it: the shard itself unless it lives
+        in other memory (then an asynchronous copy from pinned host memory on CUDA)."""
+        if self._home is None or self._shard is None:
+            return self.shard()
+        return self._home.fetch(self._shard, self._device)
 
     def new_full(self) -> torch.Tensor:
         """An empty full buffer for an all-gather, counted as live parameters."""

@@ -81,6 +81,7 @@ def full_fp32_buckets(buckets: list[FlatBucket], masters: list[torch.Tensor], co
         if not sharded:
             yield bucket, master
             continue
-        full = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=master.device)
-        comm.all_gather(full, master, what=f"full state dict, bucket {bucket.layout.index}").wait()
+        device = bucket.device  # a host master (offload) is gathered from the device: NCCL needs it there
+        full = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=device)
+        comm.all_gather(full, master.to(device), what=f"full state dict, bucket {bucket.layout.index}").wait()
         yield bucket, full

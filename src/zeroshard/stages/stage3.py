@@ -166,7 +166,7 @@ class Stage3Runtime:
         what = f"unit '{unit.label}' ({self.phase.value})"
         for bucket in unit.buckets:
             full = bucket.new_full()
-            unit.pending.append((bucket, full, self.comm.all_gather(full, bucket.shard(), what=what)))
+            unit.pending.append((bucket, full, self.comm.all_gather(full, bucket.gather_input(), what=what)))
         unit.move(UnitState.GATHERING)
 
     def _release(self, unit: Unit) -> None:

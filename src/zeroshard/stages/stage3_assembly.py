@@ -14,9 +14,10 @@ from torch import nn
 from zeroshard.stages.assembly import ALIGN_BYTES, ModelParts, broadcast_model, take_masters_and_cast
 from zeroshard.partition.param_shards import forget, materialize
 from zeroshard.comm import Comm
+from zeroshard.offload import make_tier
 from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
 from zeroshard.partition.unit_bucket import UnitBucket
-from zeroshard.policies import ConfigError, Settings
+from zeroshard.policies import ConfigError, OffloadDevice, Settings
 from zeroshard.stages.stage3 import Stage3Runtime, Unit
 from zeroshard.stages.units import plan_stage3
 
@@ -68,6 +69,8 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
     dtype = settings.precision.compute.dtype
     rank, world = comm.rank, comm.world_size
     plan = plan_stage3(model, settings.zero.stage3, settings.zero.stage3.min_unit_params)
+    offload = settings.zero.offload_param
+    param_tier = make_tier(offload, device) if offload.device is not OffloadDevice.NONE else None
     trainable: list[FlatBucket] = []
     masters: list[torch.Tensor] = []
     frozen: list[UnitBucket] = []
@@ -89,6 +92,8 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
         for b in buckets:
             b.to_dtype(dtype)
             b.partition()
+            if param_tier is not None:
+                b.move_shard(param_tier)
             if not b.params[0].requires_grad:
                 frozen.append(b)
         for p in up.params:

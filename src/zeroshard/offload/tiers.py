@@ -1,0 +1,130 @@
+"""Tiers: where a shard's storage lives, and how it moves to and from the device.
+
+A tier allocates a shard's home (`place`), hands a work copy to a device (`fetch`, async on
+CUDA: pinned host memory and a side stream) and writes a work tensor back home (`store`).
+`device` keeps shards where the model computes; `host` keeps them in CPU memory, pinned when
+CUDA exists and `pin_memory` is set. On a CPU-only machine device and host are the same
+memory: `fetch` and `store` return or write the same tensor, no copy is made, and only the
+ledger's tier says where a byte belongs. The NVMe tier (files, positioned I/O) plugs into
+the same three calls.
+
+Nothing here knows about stages, buckets or optimizers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from zeroshard.policies import OffloadDevice, OffloadPolicy
+
+log = logging.getLogger("zeroshard")
+
+
+class Tier:
+    name = "device"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)  # where this tier's tensors live
+
+    def place(self, tensor: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """`tensor` moved to (or, with `copy`, copied into) this tier's memory."""
+        if tensor.device == self.device:
+            return tensor.clone() if copy else tensor
+        return tensor.to(self.device)
+
+    def fetch(self, home: torch.Tensor, device: torch.device, stream=None) -> torch.Tensor:
+        """A tensor on `device` with `home`'s values: `home` itself when it already is there."""
+        if home.device == torch.device(device):
+            return home
+        if stream is None:
+            return home.to(device, non_blocking=home.is_pinned())
+        with torch.cuda.stream(stream):
+            return home.to(device, non_blocking=home.is_pinned())
+
+    def store(self, home: torch.Tensor, work: torch.Tensor) -> None:
+        """Write `work` back into `home` (nothing to do when they are the same tensor)."""
+        if work.data_ptr() != home.data_ptr():
+            home.copy_(work, non_blocking=home.is_pinned() or work.is_pinned())
+
+    def same_memory(self, device: torch.device) -> bool:
+        return self.device == torch.device(device)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.device})"
+
+
+class DeviceTier(Tier):
+    name = "device"
+
+
+class HostTier(Tier):
+    """CPU memory; pinned (page-locked) when CUDA exists and `pin` asks for it, so device
+    copies run asynchronously. Pinning that cannot be had falls back to pageable memory
+    once, with a start-up note."""
+
+    name = "host"
+
+    def __init__(self, pin: bool) -> None:
+        super().__init__(torch.device("cpu"))
+        self.pin = bool(pin) and torch.cuda.is_available()
+        self.note = "" if self.pin or not pin else "pin_memory: no CUDA here, host memory is the device memory"
+
+    def place(self, tensor: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        out = super().place(tensor, copy)
+        if self.pin and not out.is_pinned():
+            try:
+                out = out.pin_memory()
+            except RuntimeError as exc:  # locked-memory limit, or no driver
+                self.pin = False
+                self.note = f"pin_memory: could not pin host memory ({str(exc).splitlines()[0]}); using pageable"
+                log.warning("zeroshard: %s", self.note)
+        return out
+
+    def describe(self) -> str:
+        return "host (cpu" + (", pinned)" if self.pin else ")")
+
+
+def make_tier(policy: OffloadPolicy, device: torch.device) -> Tier:
+    if policy.device is OffloadDevice.CPU:
+        return HostTier(policy.pin_memory)
+    if policy.device is OffloadDevice.NONE:
+        return DeviceTier(device)
+    raise NotImplementedError(f"offload device {policy.device.value!r} has no tier yet")
+
+
+def split_by_ratio(sizes: Sequence[int], ratio: float) -> list[bool]:
+    """Which items (in order) go to the offload tier so that about `ratio` of the elements
+    do: the first ones, whole items only (DeepSpeed's `offload_optimizer.ratio`)."""
+    total, taken, out = sum(sizes), 0, []
+    for size in sizes:
+        goes = ratio >= 1.0 or (total > 0 and taken + size / 2 <= ratio * total)
+        out.append(goes)
+        taken += size if goes else 0
+    return out
+
+
+def host_step_threads(local_world_size: int) -> tuple[int, str]:
+    """Intra-op threads for this rank's host step, so the ranks of a node never oversubscribe
+    its cores: set to cores // local ranks when torch would use more; what torch or
+    OMP_NUM_THREADS (torchrun sets 1 per rank) chose is kept when it fits."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // max(1, local_world_size))
+    now = torch.get_num_threads()
+    if now * max(1, local_world_size) > cores:
+        torch.set_num_threads(share)
+        return share, f"{share} thread(s) ({cores} cores / {local_world_size} local ranks; was {now})"
+    return now, f"{now} thread(s) ({cores} cores, {local_world_size} local ranks)"
+
+
+def optimizer_tiers(policy: OffloadPolicy, sizes: Sequence[int], device: torch.device) -> list[Tier]:
+    """The tier of each bucket shard's master and optimizer states: all on the device, or on
+    the host with `offload_optimizer: cpu`, the first `ratio` of the elements at stage 3."""
+    device_tier = DeviceTier(device)
+    if policy.device is OffloadDevice.NONE:
+        return [device_tier] * len(sizes)
+    offload = make_tier(policy, device)
+    return [offload if goes else device_tier for goes in split_by_ratio(sizes, policy.ratio)]
