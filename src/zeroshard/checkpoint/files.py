@@ -13,7 +13,9 @@ import errno
 import hashlib
 import json
 import os
+import select
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -49,9 +51,33 @@ class Written:
     sha256: str
 
 
+WRITE_STALL_S = 60.0  # a file that takes no byte for this long (EAGAIN, or 0 written) is an error
+
+
 def _write(f, data) -> None:
-    """The one place bytes reach a file (tests replace it to simulate a full disk)."""
-    f.write(data)
+    """The one place bytes reach a file (tests replace it to simulate a full disk).
+
+    Writes all of `data`: a raw write may take fewer bytes than asked (os.write and
+    unbuffered FileIO return the count; a non-blocking descriptor returns None for EAGAIN),
+    so the rest is written again until none is left. A write that makes no progress for
+    WRITE_STALL_S seconds raises OSError instead of looping, or of truncating silently."""
+    view = memoryview(data).cast("B")
+    stalled_since: float | None = None
+    while len(view):
+        n = f.write(view)
+        if n is None or n <= 0:  # EAGAIN (non-blocking) or no progress: wait, then retry
+            now = time.monotonic()
+            stalled_since = now if stalled_since is None else stalled_since
+            if now - stalled_since > WRITE_STALL_S or (n is not None and n < 0):
+                raise OSError(errno.EIO, f"write made no progress for {now - stalled_since:.0f} s "
+                                         f"({len(view)} bytes left)")
+            if n is None:
+                select.select([], [f.fileno()], [], 1.0)
+            else:
+                time.sleep(0.01)
+            continue
+        stalled_since = None
+        view = view[n:]
 
 
 def header_bytes(entries: list[Entry], metadata: dict[str, str] | None) -> bytes:
