@@ -67,11 +67,57 @@ def _shape(phi=8_000_000, unit=1_000_000):
 
 
 def test_offload_moves_optimizer_and_fp32_grads_to_host():
+    """DeepSpeed's ZeRO-Offload (grads_to_host): the fp32 gradient partition lives on the host."""
     sh = _shape()
-    m = estimate_memory(sh, Strategy(stage=2, offload_optimizer="cpu"), n=4, gpus_per_node=4)
+    m = estimate_memory(sh, Strategy(stage=2, offload_optimizer="cpu", grads_to_host=True), n=4, gpus_per_node=4)
     assert m.optimizer_states == 0 and m.grads == 0 and m.params == 2 * sh.params
     assert m.host_per_rank == (12 + 4) * sh.params // 4
     assert m.host_per_node == 16 * sh.params
+
+
+def test_offload_as_zeroshards_engine_keeps_the_gradient_shard_on_the_device():
+    sh = _shape()
+    m = estimate_memory(sh, Strategy(stage=2, offload_optimizer="cpu", reduce_bucket_size=10**6), n=4)
+    assert (m.params, m.grads, m.optimizer_states) == (2 * sh.params, 2 * sh.params // 4, 0)
+    assert (m.host_params, m.host_grads, m.host_optimizer_states) == (0, 0, 12 * sh.params // 4)
+    # the step: one sub-group (capped by reduce_bucket_size) upcast on the host, two pinned bf16 stagings
+    assert m.host_buffers == (4 + 2 * 2) * 10**6
+    cpu = estimate_memory(sh, Strategy(stage=2, offload_optimizer="cpu", reduce_bucket_size=10**6,
+                                       host_is_device=True), n=4)
+    assert cpu.host_buffers == 4 * 10**6 and cpu.host_at_rest == m.host_at_rest
+
+
+def test_fp32_master_placement_with_offload():
+    """fp32: the shard is its own master only in the same memory as the optimizer."""
+    sh, n = _shape(), 4
+    own = sh.params // n
+
+    def mem(**kw):
+        return estimate_memory(sh, Strategy(stage=3, precision="fp32", **kw), n)
+    gpu_opt = mem(offload_optimizer="cpu")
+    assert gpu_opt.host_optimizer_states == 12 * own and gpu_opt.params == 4 * own
+    assert mem(offload_optimizer="cpu", host_is_device=True).host_optimizer_states == 8 * own
+    both = mem(offload_optimizer="cpu", offload_param="cpu")
+    assert both.host_optimizer_states == 8 * own and both.host_params == 4 * own and both.params == 0
+    dev_opt = mem(offload_param="cpu")  # device optimizer over host parameter shards: a device master
+    assert dev_opt.optimizer_states == 12 * own
+    assert mem(offload_param="cpu", host_is_device=True).optimizer_states == 8 * own
+
+
+def test_offload_ratio_splits_whole_shards():
+    from zeroshard.estimate.padding import BucketPlan, offload_split
+
+    assert offload_split([1312, 6352, 6352], 0.5) == [True, True, False]
+    assert offload_split([10, 10], 0.0) == [False, False] and offload_split([10, 10], 1.0) == [True, True]
+    layout = BucketPlan((2624, 12704, 12704), (2624, 12704, 12704), 2)
+    m = estimate_memory(_shape(phi=28032, unit=12704), Strategy(stage=3, offload_optimizer="cpu", offload_ratio=0.5),
+                        2, layout=layout)
+    assert m.host_optimizer_states == 12 * (1312 + 6352) and m.optimizer_states == 12 * 6352
+    assert Strategy(stage=3, offload_optimizer="cpu", offload_ratio=0.5).label() == "stage 3 opt→cpu 50%"
+    with pytest.raises(ConfigError, match="ratio"):
+        Strategy(stage=3, offload_ratio=0.5)
+    with pytest.raises(ConfigError, match="ratio"):
+        Strategy(stage=3, offload_optimizer="cpu", offload_ratio=1.5)
 
 
 def test_nvme_offload_puts_states_on_nvme():
@@ -121,7 +167,8 @@ def test_ours_vs_deepspeed_where_they_define_the_same_quantity():
     sh = ModelShape(params=phi, largest_unit=10_000_000, largest_layer=10_000_000, layers=8, hidden=256,
                     heads=4, vocab=1000, source="test")
     # zero2 + cpu offload: both put only the 16-bit parameters on the GPU.
-    m = estimate_memory(sh, Strategy(stage=2, offload_optimizer="cpu"), n, n)
+    # (DeepSpeed's model of the gradient: streamed to a host fp32 partition, grads_to_host)
+    m = estimate_memory(sh, Strategy(stage=2, offload_optimizer="cpu", grads_to_host=True), n, n)
     assert m.model_states == ds_estimate_zero2(phi, n, 1, cpu_offload=True)[1]
     # zero2 without offload: DeepSpeed counts a full 16-bit gradient and an fp32 gradient
     # partition: its figure exceeds the paper's 2Φ + 14Φ/N by exactly 2Φ + 2Φ/N.
@@ -132,11 +179,12 @@ def test_ours_vs_deepspeed_where_they_define_the_same_quantity():
     assert ds_estimate_zero3(phi, sh.largest_layer, n, 1, cpu_offload=False)[1] - m.model_states == \
         4 * sh.largest_layer + 2 * phi // n
     # zero3 with both offloads: host per node equals DeepSpeed's cpu figure without its 1.5 factor.
-    m = estimate_memory(sh, Strategy(stage=3, offload_optimizer="cpu", offload_param="cpu"), 2 * n, n)
+    m = estimate_memory(sh, Strategy(stage=3, offload_optimizer="cpu", offload_param="cpu", grads_to_host=True),
+                        2 * n, n)
     cpu, gpu, _ = ds_estimate_zero3(phi, sh.largest_layer, n, 2, True, True, True)
     assert m.host_per_node == pytest.approx(cpu / 1.5, rel=1e-9) and m.model_states == 0
     # zero3 with optimizer offload: both put the 2Φ/N parameter shard on the device.
-    m = estimate_memory(sh, Strategy(stage=3, offload_optimizer="cpu"), n, n)
+    m = estimate_memory(sh, Strategy(stage=3, offload_optimizer="cpu", grads_to_host=True), n, n)
     cpu, gpu, ll = ds_estimate_zero3(phi, sh.largest_layer, n, 1, True, False, True)
     assert m.model_states == gpu - ll and m.host_per_node == pytest.approx(cpu / 1.5)
 

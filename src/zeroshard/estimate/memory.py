@@ -25,6 +25,26 @@ off); at the optimizer step, 16-bit training upcasts each sub-group's gradient s
 fp32 (4 bytes x up to `sub_group_size` elements) and stages 1/2 publish buckets larger
 than `allgather_bucket_size` through a staging buffer. `buffers` is the larger of the
 backward and the step transients.
+
+Host offload (`offload_optimizer: cpu`, `offload_param: cpu`), as zeroshard's engine holds
+it (validated on 2 gloo ranks in `tests/test_estimate_offload.py`, every tier and category
+exact with the padded layout):
+
+* the master and optimizer states of the offloaded shards sit on the host, the first
+  `offload_ratio` of the bucket shards by elements (whole shards, DeepSpeed's
+  `offload_optimizer.ratio`), the rest on the device;
+* the gradient shard stays on the device in the compute dtype (2Φ/N from stage 2, the full
+  2Φ at stage 1) and is copied to the host one sub-group at a time at the step (on CUDA
+  through two pinned staging buffers of the largest sub-group, which the engine's ledger
+  does not count); a 16-bit gradient is upcast to fp32 on the host for one sub-group at a
+  time. DeepSpeed instead streams an fp32 gradient partition to the host during backward
+  and keeps no device copy: `Strategy(grads_to_host=True)` gives that model;
+* `offload_param: cpu` (stage 3) keeps the 16-bit parameter shards on the host;
+* in fp32 the parameter shard is its own master only when it lives in the same memory as
+  the optimizer states. On a GPU, offloading the optimizer alone puts a separate fp32 master
+  on the host (K = 12 there for Adam), while with `offload_param` too the shard already is
+  on the host (K = 8). On a CPU-only machine host and device are the same memory
+  (`Strategy(host_is_device=True)`, zeroshard on gloo): K = 8 always, no staging buffers.
 """
 
 from __future__ import annotations
@@ -36,13 +56,15 @@ from zeroshard.policies import ConfigError, OffloadDevice, Precision, Stage
 
 from zeroshard.estimate.activations import ActivationEstimate
 from zeroshard.estimate.model_size import ModelShape
-from zeroshard.estimate.padding import BucketPlan, gather_chunks, shard_count_for_stage, sub_group_sums
+from zeroshard.estimate.padding import (
+    BucketPlan, gather_chunks, offload_split, shard_count_for_stage, sub_group_sums,
+)
 from zeroshard.estimate.units import BYTES_PER_ELEMENT, FP32_BYTES, GIB
 
 __all__ = [
     "Strategy", "MemoryEstimate", "estimate_memory", "model_states_per_device", "optimizer_bytes_per_param",
     "OPTIMIZER_STATE_BYTES", "MASTER_WEIGHT_BYTES", "CUDA_CONTEXT_BYTES", "DEVICE_USABLE_FRACTION",
-    "HOST_USABLE_FRACTION", "device_budget", "host_budget", "shard", "STAGE2_BUCKETS_IN_FLIGHT",
+    "HOST_USABLE_FRACTION", "device_budget", "host_budget", "shard", "STAGE2_BUCKETS_IN_FLIGHT", "engine_sub_group",
 ]
 
 # Optimizer states per parameter in fp32 bytes, beyond the master weights.
@@ -108,6 +130,14 @@ class Strategy:
     param_buffer_count: int = 5  # offload_param.buffer_count (nvme)
     param_buffer_size: int = 100_000_000  # offload_param.buffer_size (nvme)
     activation_checkpointing: bool = False
+    offload_ratio: float = 1.0  # offload_optimizer.ratio: share of the optimizer shards on the host
+    # Where the estimate is for: False, a GPU with its own memory (separate fp32 host master in fp32
+    # training, pinned gradient staging); True, a CPU-only machine where host and device are the
+    # same memory (zeroshard on gloo: the shard stays its own master, no staging copies).
+    host_is_device: bool = False
+    # DeepSpeed's ZeRO-Offload: an fp32 gradient partition streamed to the host during backward,
+    # no device gradient kept from stage 2. False: zeroshard's engine (gradient shard on the device).
+    grads_to_host: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage", Stage(self.stage))
@@ -123,6 +153,10 @@ class Strategy:
             raise ConfigError("ZeRO++ (qwZ, hpZ, qgZ) applies to stage 3 only")
         if self.hpz_partition_size < 1:
             raise ConfigError(f"zero_hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
+        if not 0.0 <= self.offload_ratio <= 1.0:
+            raise ConfigError(f"offload_optimizer.ratio must be in [0, 1], got {self.offload_ratio}")
+        if self.offload_ratio < 1.0 and self.offload_optimizer != OffloadDevice.CPU:
+            raise ConfigError("offload_optimizer.ratio needs offload_optimizer device cpu")
         if self.optimizer_bytes is not None and self.optimizer_bytes < 0:
             raise ConfigError(f"optimizer bytes per parameter must not be negative, got {self.optimizer_bytes}")
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
@@ -135,6 +169,19 @@ class Strategy:
         if self.optimizer_bytes is not None:
             return self.optimizer_bytes
         return optimizer_bytes_per_param(self.optimizer, self.precision, self.separate_fp32_master)
+
+    def k_on(self, host: bool) -> int:
+        """K of the shards whose master and states live on the host (`host`) or the device.
+        In fp32 the parameter shard is its own master only in the same memory: on a GPU an
+        offloaded optimizer needs a separate fp32 host master unless `offload_param` put the
+        shard on the host too; a device optimizer over host parameter shards needs one on the
+        device. With `host_is_device` (CPU-only) every tier is the same memory: plain `k`."""
+        if self.optimizer_bytes is not None or self.precision != Precision.FP32 or self.separate_fp32_master:
+            return self.k
+        params_on_host = self.stage == Stage.PARAMETERS and self.offload_param == OffloadDevice.CPU
+        if self.host_is_device or host == params_on_host:
+            return self.k
+        return self.k + MASTER_WEIGHT_BYTES
 
     @property
     def param_bytes(self) -> int:
@@ -151,7 +198,8 @@ class Strategy:
     def label(self) -> str:
         parts = [f"stage {int(self.stage)}"]
         if self.offload_optimizer != OffloadDevice.NONE:
-            parts.append(f"opt→{self.offload_optimizer.value}")
+            parts.append(f"opt→{self.offload_optimizer.value}"
+                         + (f" {self.offload_ratio:.0%}" if self.offload_ratio < 1.0 else ""))
         if self.offload_param != OffloadDevice.NONE:
             parts.append(f"param→{self.offload_param.value}")
         zpp = [n for n, on in (("qwZ", self.quantized_weights), ("hpZ", self.hpz_partition_size > 1),
@@ -183,10 +231,29 @@ class MemoryEstimate:
     live_params: int
     buffers: int
     activations: int
-    host_per_rank: int
     nvme_per_rank: int
     gpus_per_node: int
     notes: tuple[str, ...] = field(default=())
+    # Host memory per rank, by category: at rest, and `host_buffers` (transient: the fp32 upcast
+    # of a gradient sub-group, pinned staging on a GPU, NVMe swap buffers).
+    host_params: int = 0
+    host_grads: int = 0
+    host_optimizer_states: int = 0
+    host_buffers: int = 0
+
+    @property
+    def host_per_rank(self) -> int:
+        return self.host_params + self.host_grads + self.host_optimizer_states + self.host_buffers
+
+    @property
+    def device_at_rest(self) -> int:
+        """Device bytes of the model states between steps (what `memory_stats()['tier_device']` holds)."""
+        return self.model_states + self.hpz_secondary
+
+    @property
+    def host_at_rest(self) -> int:
+        """Host bytes between steps (what `memory_stats()['tier_host']` holds)."""
+        return self.host_params + self.host_grads + self.host_optimizer_states
 
     @property
     def model_states(self) -> int:
@@ -209,7 +276,10 @@ class MemoryEstimate:
             "params": self.params, "grads": self.grads, "optimizer_states": self.optimizer_states,
             "model_states": self.model_states, "hpz_secondary": self.hpz_secondary,
             "live_params": self.live_params, "buffers": self.buffers, "activations": self.activations,
-            "device_total": self.device_total, "host_per_rank": self.host_per_rank,
+            "device_total": self.device_total, "device_at_rest": self.device_at_rest,
+            "host_params": self.host_params, "host_grads": self.host_grads,
+            "host_optimizer_states": self.host_optimizer_states, "host_buffers": self.host_buffers,
+            "host_at_rest": self.host_at_rest, "host_per_rank": self.host_per_rank,
             "host_per_node": self.host_per_node, "nvme_per_rank": self.nvme_per_rank,
             "nvme_per_node": self.nvme_per_node, "notes": list(self.notes),
         }
@@ -234,31 +304,54 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
     full = layout.padded_total if layout is not None else phi_t
     own = layout.shard_total if layout is not None else shard(phi_t, n)
     notes: list[str] = []
-    host = nvme = 0
+    nvme = 0
 
     # The frozen base has parameters only (compute dtype): whole at stages 0-2, sharded at 3.
     frozen_held = shard(frozen, n) if st >= Stage.PARAMETERS else frozen
     params = pb * ((own if st >= Stage.PARAMETERS else full) + frozen_held)
     grads = gb * (own if st >= Stage.GRADIENTS else full)
-    opt = k * (own if st >= Stage.OPTIMIZER_STATES else full)
+    opt = s.k_on(host=False) * (own if st >= Stage.OPTIMIZER_STATES else full)
     if frozen:
         notes.append(f"frozen base {frozen:,} params: {pb} bytes each"
                      f"{', sharded' if st >= Stage.PARAMETERS else ', whole on every rank'}; "
                      f"{phi_t:,} trainable: {pb} + {gb} + {k} bytes each")
 
-    if s.offload_optimizer != OffloadDevice.NONE:
-        # ZeRO-Offload: the CPU optimizer steps an fp32 gradient partition in host memory;
-        # from stage 2 gradients stream to it bucket by bucket and no device copy is kept.
-        fp32_grads = FP32_BYTES * own
+    host_params = host_grads = host_opt = host_buf = 0
+    if s.offload_optimizer == OffloadDevice.CPU:
+        # ZeRO-Offload as zeroshard's engine does it (module doc): masters and states of the
+        # first `offload_ratio` of the shards on the host, the gradient shard on the device.
+        host_shards = None
+        if layout is not None:
+            host_shards = [x for x, goes in zip(layout.shards, offload_split(layout.shards, s.offload_ratio)) if goes]
+            host_elems = sum(host_shards)
+        else:
+            host_elems = own if s.offload_ratio >= 1.0 else int(round(s.offload_ratio * own))
+        opt = s.k_on(host=False) * (own - host_elems)
+        host_opt = s.k_on(host=True) * host_elems
+        if s.grads_to_host:  # DeepSpeed: an fp32 partition streamed to the host, no device gradient
+            host_grads = FP32_BYTES * own
+            if st >= Stage.GRADIENTS:
+                grads = 0
+        elif host_elems:
+            # The step, one sub-group at a time: the gradient shards on the host (CUDA: two pinned
+            # staging buffers), 16-bit ones upcast to fp32 there.
+            cap = engine_sub_group(s)
+            sub = max(sub_group_sums(host_shards, cap)) if host_shards else min(cap, host_elems)
+            if gb != FP32_BYTES:
+                host_buf += FP32_BYTES * sub
+            if not s.host_is_device:
+                host_buf += 2 * gb * sub
+        if s.precision == Precision.FP32 and host_elems and s.k_on(host=True) != s.k:
+            notes.append(f"fp32 on a GPU: the optimizer offload keeps a separate fp32 master on the host "
+                         f"(K = {s.k_on(host=True)} there); on a CPU-only machine (host is device) K = {s.k}")
+    elif s.offload_optimizer == OffloadDevice.NVME:
+        # ZeRO-Infinity (DeepSpeed's model; zeroshard has no NVMe tier yet): the fp32 gradient
+        # partition is swapped out with the states, from stage 2 no device gradient is kept.
         if st >= Stage.GRADIENTS:
             grads = 0
-        if s.offload_optimizer == OffloadDevice.CPU:
-            host += opt + fp32_grads
-        else:
-            # ZeRO-Infinity swaps the fp32 gradient partition out with the states.
-            nvme += opt + fp32_grads
-            host += s.optimizer_buffer_count * FP32_BYTES * min(s.sub_group_size, own)
-            notes.append("optimizer states and fp32 gradients on NVMe, stepped in sub-groups through pinned host buffers")
+        nvme += opt + FP32_BYTES * own
+        host_buf += s.optimizer_buffer_count * FP32_BYTES * min(s.sub_group_size, own)
+        notes.append("optimizer states and fp32 gradients on NVMe, stepped in sub-groups through pinned host buffers")
         opt = 0
 
     hpz = 0
@@ -275,11 +368,12 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         live = pb * min(phi, max(unit, min(in_flight, s.max_live_parameters)))
         buffers = gb * shape.largest_unit_trainable  # the unit's full gradient, until its reduce-scatter
         if s.offload_param == OffloadDevice.CPU:
-            host += params
-            params = 0
+            host_params, params = params, 0
+            if not s.host_is_device:  # gather_input: a device copy of the unit's shard, fetched from the host
+                buffers += pb * shard(shape.largest_unit, n)
         elif s.offload_param == OffloadDevice.NVME:
             nvme += params
-            host += s.param_buffer_count * pb * min(s.param_buffer_size, own + frozen_held)
+            host_buf += s.param_buffer_count * pb * min(s.param_buffer_size, own + frozen_held)
             params = 0
             notes.append("parameter shards on NVMe, fetched through pinned host buffers")
         notes.append("stage 3: small parameters kept whole (param_persistence_threshold) not counted")
@@ -289,8 +383,14 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
     return MemoryEstimate(params=params, grads=grads, optimizer_states=opt, hpz_secondary=hpz,
                           live_params=live, buffers=buffers,
                           activations=activations.total if activations else 0,
-                          host_per_rank=host, nvme_per_rank=nvme, gpus_per_node=gpus_per_node,
-                          notes=tuple(notes))
+                          nvme_per_rank=nvme, gpus_per_node=gpus_per_node, notes=tuple(notes),
+                          host_params=host_params, host_grads=host_grads, host_optimizer_states=host_opt,
+                          host_buffers=host_buf)
+
+
+def engine_sub_group(s: Strategy) -> int:
+    """Elements the engine steps at once: `sub_group_size`, never above `reduce_bucket_size`."""
+    return min(s.sub_group_size, s.reduce_bucket_size)
 
 
 def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout: BucketPlan | None) -> int:
@@ -302,7 +402,7 @@ def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout
         # overlap off: every full bucket exists at the end of backward, before the reductions
         backward = gb * (min(full, STAGE2_BUCKETS_IN_FLIGHT * largest) if s.overlap_comm else full)
     step = 0
-    if s.offload_optimizer == OffloadDevice.NONE:
+    if s.offload_optimizer == OffloadDevice.NONE or s.offload_ratio < 1.0:  # a device share steps here
         if s.grad_bytes != FP32_BYTES:  # 16-bit gradient shards are upcast one sub-group at a time
             shards = layout.shards if layout is not None else None
             held = own if st >= Stage.OPTIMIZER_STATES else full  # stage 0 steps the whole gradient

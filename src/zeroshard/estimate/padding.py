@@ -30,7 +30,7 @@ from zeroshard.policies import ConfigError, Precision, Stage
 
 __all__ = [
     "ALIGN_BYTES", "BucketPlan", "alignment_for", "bucket_numels", "padded_size", "plan_layout",
-    "shard_count_for_stage", "sub_group_sums", "gather_chunks",
+    "shard_count_for_stage", "sub_group_sums", "gather_chunks", "offload_split", "plan_stage3_layout",
 ]
 
 ALIGN_BYTES = 16  # each shard starts on a 16-byte boundary (vectorised kernels, NCCL)
@@ -141,3 +141,24 @@ def plan_layout(param_numels: Sequence[int], stage: Stage | int, precision: Prec
     align = alignment_for(precision)
     numels = bucket_numels(param_numels, reduce_bucket_size)
     return BucketPlan(tuple(numels), tuple(padded_size(b, count, align) for b in numels), count)
+
+
+def offload_split(sizes: Sequence[int], ratio: float) -> list[bool]:
+    """Which bucket shards (in order) `offload_optimizer.ratio` sends to the host: the first
+    ones, whole shards only, each taken while the offloaded elements up to its middle stay
+    within `ratio` of the total (the engine's rule, restated)."""
+    total, taken, out = sum(sizes), 0, []
+    for size in sizes:
+        goes = ratio >= 1.0 or (total > 0 and taken + size / 2 <= ratio * total)
+        out.append(goes)
+        taken += size if goes else 0
+    return out
+
+
+def plan_stage3_layout(unit_numels: Sequence[int], precision: Precision | str, n: int) -> BucketPlan:
+    """Stage 3: each gather unit's trainable parameters are one bucket (in unit order), padded
+    like any bucket to a multiple of N x alignment."""
+    if n < 1:
+        raise ConfigError(f"data-parallel size must be >= 1, got {n}")
+    align = alignment_for(precision)
+    return BucketPlan(tuple(unit_numels), tuple(padded_size(u, n, align) for u in unit_numels), n)
