@@ -57,6 +57,7 @@ class Init:
             self._writes.__exit__(*exc)
             self._handle.remove()
             self._handle = None
+            self.comm.topology.release_group()
 
     def _on_attach(self, parent: nn.Module, name: str, child: nn.Module | None):
         if child is None:

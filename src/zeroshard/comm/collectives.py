@@ -59,6 +59,10 @@ class Comm:
         return self.topology.world_size
 
     @property
+    def group(self):
+        return self.topology.group
+
+    @property
     def rank(self) -> int:
         return self.topology.rank
 
@@ -89,7 +93,7 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "") -> Handle:
         return self._issue("all_reduce", tensor, tensor.numel(), what,
-                           lambda: dist.all_reduce(tensor, op=_OPS[op], async_op=True))
+                           lambda: dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         """Sum `input` (world_size x output.numel()) across ranks; rank r keeps chunk r in `output`.
@@ -99,7 +103,7 @@ class Comm:
         if not self.topology.distributed and output.data_ptr() != input.data_ptr():
             output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return self._issue("reduce_scatter", input, input.numel(), what,
-                           lambda: _RS(output, input, op=dist.ReduceOp.SUM, async_op=True))
+                           lambda: _RS(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be rank r's chunk of it."""
@@ -107,17 +111,17 @@ class Comm:
         if not self.topology.distributed and output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return self._issue("all_gather", output, output.numel(), what,
-                           lambda: _AG(output, input, async_op=True))
+                           lambda: _AG(output, input, group=self.group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> Handle:
         return self._issue("broadcast", tensor, tensor.numel(), what,
-                           lambda: dist.broadcast(tensor, src=src, async_op=True))
+                           lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         if not self.topology.distributed:
             output.copy_(input)
         return self._issue("all_to_all", input, input.numel(), what,
-                           lambda: dist.all_to_all_single(output, input, async_op=True))
+                           lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True))
 
     def _check_sizes(self, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
         if full.numel() != shard.numel() * self.world_size:

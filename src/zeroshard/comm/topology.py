@@ -12,6 +12,7 @@ import datetime
 import importlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,19 +31,34 @@ class Topology:
     device: torch.device
     backend: str  # "gloo", "nccl" or "none" (single process, no group)
     owns_group: bool
+    # zeroshard's collectives run on `group`: the default group when zeroshard created it (with
+    # comm_timeout_s), else a group of all ranks made here with comm_timeout_s, so a dead or
+    # stuck peer is reported within it even where the backend blocks inside the call (gloo's
+    # reduce-scatter), whatever timeout the user's own group has (30 minutes by default)
+    group: Any = None
 
     @property
     def distributed(self) -> bool:
         return self.backend != "none"
 
     def destroy(self) -> None:
-        """Destroy the default group, but only if this topology created it."""
+        """Destroy the default group, but only if this topology created it; else only the
+        group of its own that it made."""
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             _created.clear()
+        else:
+            self.release_group()
+
+    def release_group(self) -> None:
+        """Destroy the group this topology made for itself on a user's default group."""
+        if self.group is not None and dist.is_initialized() and self.group in _own_groups:
+            _own_groups.remove(self.group)
+            dist.destroy_process_group(self.group)
 
 
 _created: list[bool] = []  # non-empty while a group zeroshard created is alive
+_own_groups: list[Any] = []  # groups made on a user's default group, until released
 
 # Modules torch imports lazily on first use (building any torch.optim optimizer imports
 # torch._dynamo). Imported after the process group exists, they keep a reference to it that
@@ -66,6 +82,7 @@ def _destroy_at_exit() -> None:
     if _created and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _created.clear()
+    _own_groups.clear()
 
 
 def world_size_hint() -> int:
@@ -107,6 +124,10 @@ def setup_topology(timeout_s: float) -> Topology:
         owns = True
     backend = dist.get_backend()
     device = _device_for(local_rank, "nccl" if "nccl" in str(backend) else "gloo")
+    group = None
+    if not owns:  # a collective: every rank of the user's group makes it at the same point
+        group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+        _own_groups.append(group)
     return Topology(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -115,4 +136,5 @@ def setup_topology(timeout_s: float) -> Topology:
         device=device,
         backend=str(backend),
         owns_group=owns,
+        group=group,
     )

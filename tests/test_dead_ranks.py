@@ -1,0 +1,89 @@
+"""A peer killed with SIGKILL mid-step, or alive but stuck in forward: every other rank raises
+within `comm_timeout_s`, naming the collective, the bucket or unit and the step, at stages 1,
+2 and 3, even when the script made the process group itself (its timeout is torch's
+30-minute default: zeroshard's collectives run on a group of their own with comm_timeout_s).
+No process is left behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from queue import Empty
+
+import pytest
+import torch
+
+from distributed import _entry, _from_wire, free_port
+from oracle import Case, config_for, make_model
+
+TIMEOUT_S = 4
+STUCK_S = 12
+
+
+def _worker(rank, world, stage, mode):
+    import torch.distributed as dist
+
+    import zeroshard
+
+    dist.init_process_group("gloo")  # the script's own group: torch's default 30-minute timeout
+    case = Case(stage=stage, zero=(("stage3_param_persistence_threshold", 0),) if stage == 3 else ())
+    cfg = config_for(case, world)
+    cfg.setdefault("zeroshard", {})["comm_timeout_s"] = TIMEOUT_S
+    model = make_model(case)
+    engine = zeroshard.initialize(model, cfg)
+    x = torch.randint(0, 64, (2, 16))
+    engine.backward(engine(x, x)[1])  # step 0 is fine
+    engine.step()
+    if rank == 1:
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(STUCK_S)  # stuck in its data loader / forward
+    started = time.perf_counter()
+    try:
+        engine.backward(engine(x, x)[1])
+        engine.step()
+    except zeroshard.CommError as exc:
+        return {"message": str(exc), "seconds": time.perf_counter() - started}
+    return {"message": "no error", "seconds": time.perf_counter() - started}
+
+
+def _run(stage, mode):
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_entry, args=(_worker, r, 2, port, (stage, mode), queue, {}), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    deadline = time.monotonic() + 120
+    try:
+        while 0 not in got and time.monotonic() < deadline:
+            try:
+                rank, ok, value = queue.get(timeout=5)
+            except Empty:
+                continue
+            got[rank] = _from_wire(value) if ok else {"message": value, "seconds": None}
+        for p in procs:  # every process ends by itself (the stuck one fails once it wakes)
+            p.join(timeout=STUCK_S + 30)
+        left = [p.pid for p in procs if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return got.get(0), left
+
+
+@pytest.mark.parametrize("mode", ["kill", "stuck"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_survivor_raises_within_the_timeout_naming_where(stage, mode):
+    survivor, left = _run(stage, mode)
+    assert survivor is not None, "rank 0 never finished"
+    msg = survivor["message"]
+    assert survivor["seconds"] is not None, msg
+    assert survivor["seconds"] < TIMEOUT_S * 3 + 5, f"took {survivor['seconds']:.1f}s with a {TIMEOUT_S}s timeout"
+    assert "step 1" in msg, msg
+    assert any(op in msg for op in ("reduce_scatter", "all_gather", "all_reduce")), msg
+    assert ("bucket" in msg) or ("unit" in msg), msg
+    assert left == [], f"processes left behind: {left}"
