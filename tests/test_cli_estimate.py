@@ -99,7 +99,8 @@ def test_cli_surface_is_frozen():
               "--grad-accum", "--heads", "--help", "--hf-config", "--hidden", "--inter-node", "--inter-node-bw",
               "--json", "--layers", "--micro-batch", "--model", "--no-flash-attention", "--nodes", "--nvme",
               "--optimizer", "--optimizer-bytes", "--params", "--precision", "--seq-len", "--vocab",
-              "--lora", "--lora-targets", "--trainable-params"]  # issue 14: adapters on a frozen base
+              "--lora", "--lora-targets", "--trainable-params",  # issue 14: adapters on a frozen base
+              "--cpu-only", "--grads-to-host"]  # issue 10: the offload model
     common = sorted(common)
-    assert opts["estimate"] == common
+    assert opts["estimate"] == sorted(common + ["--offload-ratio"])
     assert opts["plan"] == sorted(common + ["--out", "--nvme-path"])

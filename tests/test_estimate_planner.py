@@ -96,3 +96,49 @@ def test_config_loader_knows_every_key_the_planner_writes(params, kw):
         config.load_config(cfg, world_size=p.cluster.world_size)
     except NotSupportedYetError:
         pass
+
+
+# ---------------------------------------------------------------- issue 10: the offload route
+def _route_index(p, label):
+    return next(i for i, line in enumerate(p.route) if line.startswith(label + ":"))
+
+
+def _7b_24gb(mem="24GiB", **work):
+    from dataclasses import replace
+
+    cl = cluster()
+    return plan(shape_from_params("7B"), replace(cl, gpu=replace(gpu_spec("a100-80gb"), memory=parse_bytes(mem))),
+                Workload(**work))
+
+
+def test_parameter_offload_comes_after_checkpointing_with_optimizer_offload():
+    """DeepSpeed's gradient model (fp32 partition on the host): stage 2 + optimizer offload + AC
+    fits and is predicted faster than parameter offload, so it wins; the route says why."""
+    p = _7b_24gb(grads_to_host=True)
+    w = p.winner
+    assert w.label() == "stage 2 opt→cpu +AC" and w.time.step == pytest.approx(3.14, abs=0.01)
+    assert _route_index(p, "stage 2 opt→cpu +AC") < _route_index(p, "stage 3 opt→cpu param→cpu")
+    assert "same step time" in p.route[_route_index(p, "stage 3 opt→cpu +AC")]
+    for label in ("stage 3 opt→cpu param→cpu", "stage 3 opt→cpu param→cpu +AC"):
+        line = p.route[_route_index(p, label)]
+        assert "also fits" in line and "slower" in line and "needs parameter offload" in line, line
+
+
+def test_engine_keeps_gradients_on_the_device_so_7b_needs_parameter_offload_on_24gb():
+    """zeroshard's engine keeps the 16-bit gradient shard (2Φ at N = 1) on the device under
+    optimizer offload: stage 2 + offload + AC needs 27 GiB, and only parameter offload fits."""
+    p = _7b_24gb()
+    assert p.winner.label() == "stage 3 opt→cpu param→cpu +AC"
+    assert "rejected, device needs 27.3 GiB" in p.route[_route_index(p, "stage 2 opt→cpu +AC")]
+    assert "nothing fits in the cheaper tiers" in p.route[_route_index(p, "stage 3 opt→cpu param→cpu +AC")]
+    # every optimizer-only candidate, with and without AC, is tried before parameter offload
+    first_param = _route_index(p, "stage 3 opt→cpu param→cpu")
+    assert all(_route_index(p, lab) < first_param for lab in
+               ("stage 1 opt→cpu", "stage 2 opt→cpu", "stage 3 opt→cpu", "stage 2 opt→cpu +AC", "stage 3 opt→cpu +AC"))
+
+
+def test_engine_model_with_room_for_the_gradient_prefers_checkpointing_to_parameter_offload():
+    p = _7b_24gb(mem="40GiB")
+    assert p.winner.label() == "stage 1 opt→cpu +AC"  # on one GPU stage 1 holds what stage 2 holds: the lower wins
+    line = p.route[_route_index(p, "stage 3 opt→cpu param→cpu")]
+    assert "also fits" in line and "needs parameter offload" in line

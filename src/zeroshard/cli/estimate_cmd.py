@@ -69,6 +69,14 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto",
                    help="plan: auto tries off then on; estimate: auto means off")
     w.add_argument("--no-flash-attention", action="store_true", help="count stored attention scores")
+    o = p.add_argument_group("offload model")
+    o.add_argument("--cpu-only", action="store_true",
+                   help="host and device are the same memory (zeroshard on gloo, CPU): in fp32 the parameter "
+                        "shard stays its own master (no separate fp32 host master), no pinned staging")
+    o.add_argument("--grads-to-host", action="store_true",
+                   help="DeepSpeed's ZeRO-Offload gradient model: an fp32 gradient partition streamed to the host, "
+                        "no device gradient from stage 2 (zeroshard's engine keeps the 16-bit shard on the device)")
+
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as integers)")
 
 
@@ -137,7 +145,8 @@ def read_workload(args) -> Workload:
         raise ConfigError(f"--optimizer-bytes must not be negative, got {args.optimizer_bytes}")
     return Workload(seq=args.seq_len, micro_batch=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
                     precision=args.precision, optimizer=args.optimizer, optimizer_bytes=args.optimizer_bytes,
-                    activation_checkpointing=ac, flash_attention=not args.no_flash_attention)
+                    activation_checkpointing=ac, flash_attention=not args.no_flash_attention,
+                    host_is_device=getattr(args, "cpu_only", False), grads_to_host=getattr(args, "grads_to_host", False))
 
 
 def guarded(fn):
@@ -163,16 +172,20 @@ ALL_COMBINATIONS = (  # (stage, offload_optimizer, offload_param, zero++)
 )
 
 
-def all_candidates(shape, cluster, work):
+def all_candidates(shape, cluster, work, ratio: float | None = None):
     ac = bool(work.activation_checkpointing)
     out = []
-    for st, oo, op, zpp in ALL_COMBINATIONS:
+    combos = ALL_COMBINATIONS + (((3, "cpu", "none", False),) if ratio is not None else ())
+    for i, (st, oo, op, zpp) in enumerate(combos):
         if zpp and cluster.world_size == 1:
             continue
         kw = dict(quantized_weights=True, quantized_gradients=True,
                   hpz_partition_size=cluster.gpus_per_node if cluster.nodes > 1 else 1) if zpp else {}
+        if i >= len(ALL_COMBINATIONS):
+            kw["offload_ratio"] = ratio
         s = Strategy(stage=Stage(st), precision=work.precision, optimizer=work.optimizer,
-                     optimizer_bytes=work.optimizer_bytes, offload_optimizer=OffloadDevice(oo),
+                     optimizer_bytes=work.optimizer_bytes, host_is_device=work.host_is_device,
+                     grads_to_host=work.grads_to_host, offload_optimizer=OffloadDevice(oo),
                      offload_param=OffloadDevice(op), activation_checkpointing=ac, **kw, **_bucket_sizes(shape.hidden),
                      **({"sub_group_size": NVME_SUB_GROUP_SIZE} if "nvme" in (oo, op) else {}))
         out.append(evaluate(shape, s, cluster, work))
@@ -239,7 +252,9 @@ def comm_table(cands) -> Table:
 @guarded
 def run(args) -> int:
     shape, cluster, work = read_shape(args), read_cluster(args), read_workload(args)
-    cands = all_candidates(shape, cluster, work)
+    if args.offload_ratio is not None and not 0.0 <= args.offload_ratio <= 1.0:
+        raise ConfigError(f"--offload-ratio must be in [0, 1], got {args.offload_ratio}")
+    cands = all_candidates(shape, cluster, work, args.offload_ratio)
     if args.json:
         print(json.dumps({"model": {"params": shape.params, "trainable": shape.trainable_params,
                                     "frozen": shape.frozen_params, "largest_unit": shape.largest_unit,
@@ -264,4 +279,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("estimate", help="memory, communication and step time for every ZeRO stage",
                               description=__doc__.splitlines()[0])
     add_common_arguments(p)
+    p.add_argument("--offload-ratio", type=float, metavar="R",
+                   help="also estimate stage 3 with offload_optimizer.ratio R (the first R of the optimizer "
+                        "shards on the host, the rest on the device)")
     p.set_defaults(func=run)

@@ -1,15 +1,23 @@
 """The advisor: which stage, which offload, which ZeRO++ knobs, and why.
 
-Decision route (each step only when the one before fits nowhere):
-1. no offload, no activation checkpointing: the smallest stage that fits
-   (stages 1 and 2 cost no more communication than stage 0, stage 3 costs 1.5x);
+Decision route: tiers of candidates, cheapest knobs first; a tier is tried only when
+nothing in the tiers before it fits, and the fastest candidate that fits in the first
+tier that fits wins (ties within TIE_SECONDS: the earlier one, i.e. the lower stage):
+1. no offload, no activation checkpointing (stages 0-3; stages 1 and 2 cost no more
+   communication than stage 0, stage 3 costs 1.5x);
 2. the same with activation checkpointing (a third more compute, no traffic);
-3. optimizer offload to host (stages 1, 2, 3), then parameters too (stage 3);
-4. NVMe offload (ZeRO-Infinity), optimizer then parameters;
-5. fits nowhere: the smallest cluster of the same GPUs that fits.
-When the winner is stage 3 on several nodes and inter-node traffic takes at least
-INTER_NODE_BOTTLENECK_FRACTION of the step, ZeRO++ variants are tried and the
-fastest one that fits wins.
+3. optimizer offload to host (stages 1, 2, 3), then 4. the same with checkpointing;
+5. optimizer and parameter offload (stage 3), then 6. with checkpointing: parameter offload
+   pays PCIe for every unit in forward and backward, so it comes only when the cheaper
+   knobs (a lower stage, checkpointing) fit nowhere ("use ZeRO-2 where it serves; offload
+   only when nothing else fits");
+7. NVMe offload (ZeRO-Infinity), optimizer then parameters;
+8. fits nowhere: the smallest cluster of the same GPUs that fits.
+Candidates of later tiers that also fit are listed in the route with their predicted step
+time, so the choice is explained (a later one predicted faster is said so, and why the
+route still prefers the cheaper knob). When the winner is stage 3 on several nodes and
+inter-node traffic takes at least INTER_NODE_BOTTLENECK_FRACTION of the step, ZeRO++
+variants are tried and the fastest one that fits wins.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ INTER_NODE_BOTTLENECK_FRACTION = 0.25  # inter-node comm time / step time that c
 ZEROPP_MIN_GAIN = 0.02  # ZeRO++ must shorten the step by this fraction to be worth its quantization noise
 MAX_NODES = 65_536  # where the search for a cluster that fits gives up
 MAX_GPUS_PER_NODE = 8
+TIE_SECONDS = 0.0005  # step times closer than this are a tie: the earlier candidate of the route wins
 # Optimizer sub-group for NVMe offload: 1e8 fp32 elements = 400 MB per swap buffer; DeepSpeed's
 # 1e9 default would pin 16 GB of host memory in its 4 buffers.
 NVME_SUB_GROUP_SIZE = 100_000_000
@@ -48,6 +57,8 @@ class Workload:
     optimizer_bytes: int | None = None
     activation_checkpointing: bool | None = None  # None: the planner decides
     flash_attention: bool = True
+    host_is_device: bool = False  # CPU-only machine (zeroshard on gloo): see Strategy.host_is_device
+    grads_to_host: bool = False  # DeepSpeed's offload gradient model: see Strategy.grads_to_host
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -119,13 +130,15 @@ def evaluate(shape: ModelShape, strategy: Strategy, cluster: Cluster, work: Work
 
 
 def _base(work: Workload, **kw) -> Strategy:
-    return Strategy(precision=work.precision, optimizer=work.optimizer, optimizer_bytes=work.optimizer_bytes, **kw)
+    return Strategy(precision=work.precision, optimizer=work.optimizer, optimizer_bytes=work.optimizer_bytes,
+                    host_is_device=work.host_is_device, grads_to_host=work.grads_to_host, **kw)
 
 
 N, C, V = OffloadDevice.NONE, OffloadDevice.CPU, OffloadDevice.NVME
-_ROUTE = (  # (stage, offload_optimizer, offload_param), grouped into tiers
+_ROUTE = (  # (stage, offload_optimizer, offload_param), grouped into tiers; each tier without then with AC
     ((0, N, N), (1, N, N), (2, N, N), (3, N, N)),
-    ((1, C, N), (2, C, N), (3, C, N), (3, C, C)),
+    ((1, C, N), (2, C, N), (3, C, N)),
+    ((3, C, C),),  # parameter offload: only when a lower stage and checkpointing fit nowhere
     ((3, V, N), (3, V, C), (3, V, V)),
 )
 
@@ -139,6 +152,21 @@ _LORA_ROUTE = (
     ((1, C, N), (2, C, N), (3, C, N), (3, N, C), (3, C, C)),
     ((3, N, V), (3, C, V), (3, V, V)),
 )
+
+
+def _tier_name(tier: list[Strategy]) -> str:
+    s = tier[0]
+    if s.offload_optimizer == V or s.offload_param == V or any(V in (t.offload_optimizer, t.offload_param) for t in tier):
+        what = "NVMe offload"
+    elif any(t.offload_param == C for t in tier) and all(t.offload_optimizer == C for t in tier):
+        what = "optimizer and parameter offload to host"
+    elif any(t.offload_param == C for t in tier):
+        what = "offload to host (optimizer or frozen-base parameters)"
+    elif s.offload_optimizer == C:
+        what = "optimizer offload to host"
+    else:
+        what = "no offload"
+    return what + (", activation checkpointing" if s.activation_checkpointing else "")
 
 
 def candidate_strategies(work: Workload, hidden: int | None = None, frozen_base: bool = False) -> list[list[Strategy]]:
@@ -198,54 +226,98 @@ class Plan:
 
 
 def _first_fit(shape, cluster, work, record: list | None = None) -> Candidate | None:
-    """The first candidate of the route that fits. With a frozen base (LoRA) the whole
-    tier of the first fit is evaluated and its fastest fitting candidate wins (ties: the
-    earlier one), since offloading parameters and offloading a few MB of optimizer
-    states cost very different times."""
+    """The winning candidate of the first tier of the route where one fits (`_first_fit_tier`)."""
+    return _first_fit_tier(shape, cluster, work, record)[0]
+
+
+def _first_fit_tier(shape, cluster, work, record: list | None = None) -> tuple[Candidate | None, int]:
+    """(winner, index of its tier). The whole tier of the first fit is evaluated (and recorded):
+    the lowest stage that fits wins ("use ZeRO-2 where it serves"); with a frozen base (LoRA)
+    the fastest fit of the tier wins (ties within TIE_SECONDS: the earlier one), since
+    offloading the base's parameters and offloading a few MB of optimizer states cost very
+    different times."""
     lora = shape.frozen_params > 0
-    for tier in candidate_strategies(work, shape.hidden, frozen_base=lora):
+    for i, tier in enumerate(candidate_strategies(work, shape.hidden, frozen_base=lora)):
         best = None
         for s in tier:
             c = evaluate(shape, s, cluster, work)
             if record is not None:
                 record.append(c)
-            if c.fits:
-                if not lora:
-                    return c
-                if best is None or c.time.step < best.time.step:
-                    best = c
+            if c.fits and (best is None or (lora and c.time.step < best.time.step - TIE_SECONDS)):
+                best = c
         if best is not None:
-            return best
-    return None
+            return best, i
+    return None, -1
+
+
+def _knobs(s: Strategy) -> set[str]:
+    out = set()
+    if s.activation_checkpointing:
+        out.add("activation checkpointing")
+    if s.offload_optimizer != N:
+        out.add("optimizer offload")
+    if s.offload_param != N:
+        out.add("parameter offload")
+    if V in (s.offload_optimizer, s.offload_param):
+        out.add("NVMe")
+    return out
+
+
+def _compare(c: Candidate, winner: Candidate) -> str:
+    d = c.time.step - winner.time.step
+    if abs(d) < TIE_SECONDS:
+        return "same step time (within 1 ms)"
+    if d > 0:
+        return f"slower by {d * 1000:.0f} ms per step" if d < 0.1 else \
+            f"slower: {c.time.step:.2f} s per step vs {winner.time.step:.2f} s"
+    return f"predicted faster: {c.time.step:.2f} s per step vs {winner.time.step:.2f} s"
 
 
 def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
     p = Plan(shape, cluster, work)
-    winner = _first_fit(shape, cluster, work, p.candidates)
+    winner, tier_index = _first_fit_tier(shape, cluster, work, p.candidates)
     if winner is None:
         p.route += [f"{c.label()}: rejected, {c.why_not()}" for c in p.candidates]
         p.route.append("nothing fits this cluster")
         p.smallest_fit = smallest_cluster(shape, cluster, work)
         return p
-    offloaded = OffloadDevice.NONE != winner.strategy.offload_optimizer or \
-        winner.strategy.offload_param != OffloadDevice.NONE
-    why = "smallest stage that fits" if not offloaded else \
-        "nothing fits on the devices alone, so states go to host/NVMe"
-    if shape.frozen_params > 0:
-        why = "the fastest that fits in its tier of the route" + (
-            "; nothing fits on the devices alone, so states go to host/NVMe" if offloaded else "")
+    tiers = candidate_strategies(work, shape.hidden, frozen_base=shape.frozen_params > 0)
+    lora = shape.frozen_params > 0
+    why = ("the fastest that fits" if lora else "the lowest stage that fits") + \
+        f" in the first tier of the route that fits ({_tier_name(tiers[tier_index])})"
+    if tier_index > 0:
+        why += "; nothing fits in the cheaper tiers before it"
     for c in p.candidates:
         if c is winner:
             p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} of "
                            f"{c.device_budget / GIB:.1f} GiB usable per device); {why}")
-        elif c.fits:  # LoRA: another fit in the winner's tier
+        elif c.fits:  # another fit in the winner's tier
             d = c.time.step - winner.time.step
-            slower = "same step time (within 1 ms), the earlier in the route wins" if d < 0.0005 else \
-                f"slower by {d * 1000:.0f} ms per step" if d < 0.1 else \
-                f"slower: {c.time.step:.2f} s per step vs {winner.time.step:.2f} s"
-            p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} GiB per device), {slower}")
+            if abs(d) < TIE_SECONDS:
+                verdict = "same step time (within 1 ms), the earlier in the route wins"
+            elif lora or d > 0:
+                verdict = _compare(c, winner)
+            else:  # a higher stage predicted faster: its traffic (3Φ) hides behind compute in the model
+                verdict = (f"{_compare(c, winner)}, but a higher stage: ZeRO-{int(winner.strategy.stage)} "
+                           f"serves, with less traffic ({winner.comm.paper_units:.1f} Φ vs {c.comm.paper_units:.1f} Φ)")
+            p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} GiB per device), {verdict}")
         else:
             p.route.append(f"{c.label()}: rejected, {c.why_not()}")
+    # When the winner needed a knob (checkpointing, offload): the later tiers that fit too, and why
+    # the route does not take them. (A winner of the first tier needs nothing: nothing to explain.)
+    seen = {c.label() for c in p.candidates}
+    later = []
+    for tier in (tiers[tier_index + 1:] if tier_index > 0 else ()):
+        for st in tier:
+            c = evaluate(shape, st, cluster, work)
+            if c.label() not in seen and c.fits:
+                later.append(c)
+                seen.add(c.label())
+    for c in later:
+        extra = sorted(_knobs(c.strategy) - _knobs(winner.strategy)) or ["a later tier"]
+        p.route.append(f"{c.label()}: also fits ({c.memory.device_total / GIB:.1f} GiB per device), "
+                       f"{_compare(c, winner)}; needs {' and '.join(extra)}, which the route takes only when "
+                       f"nothing cheaper fits")
     s = winner.strategy
     if s.stage == Stage.PARAMETERS and not s.zeropp and cluster.nodes > 1:
         share = winner.time.comm_inter / winner.time.step
@@ -266,9 +338,9 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
     p.winner = winner
     p.route.append(f"winner: {winner.label()}, {winner.memory.device_total / GIB:.1f} GiB per device, "
                    f"{winner.time.step:.2f} s per step")
-    # The other candidates of the winner's tier, for comparison in the table.
-    seen = {c.label() for c in p.candidates}
-    for tier in candidate_strategies(work, shape.hidden, frozen_base=shape.frozen_params > 0):
+    p.candidates += later  # for comparison in the table
+    # The other fitting candidates of the route, for the table (as before).
+    for tier in tiers:
         for st in tier:
             c = evaluate(shape, st, cluster, work)
             if c.label() not in seen and c.fits:
@@ -319,6 +391,8 @@ def deepspeed_config(s: Strategy, work: Workload, cluster: Cluster, nvme_path: s
     for key, dev in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
         if dev != OffloadDevice.NONE:
             block = {"device": dev.value, "pin_memory": True}
+            if key == "offload_optimizer" and s.offload_ratio < 1.0:
+                block["ratio"] = s.offload_ratio
             if dev == OffloadDevice.NVME:
                 block["nvme_path"] = nvme_path
             zero[key] = block
