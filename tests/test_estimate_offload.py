@@ -173,6 +173,39 @@ def test_stage12_transients_within_buffers(ledgers, key):
         assert transient <= exact.buffers + exact.host_buffers, (key, rank, transient)
 
 
+CLI_LABELS = {"opt": "stage {st} opt→cpu", "opt+param": "stage 3 opt→cpu param→cpu", "ratio0.5": "stage 3 opt→cpu 50%"}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cli_estimate_json_matches_memory_stats(ledgers, precision, capsys):
+    """What `zeroshard estimate --params 28032 --gpus-per-node 2 --cpu-only --offload-ratio 0.5
+    --json` prints (from the bare count) against the engine, per tier and category: within 5%;
+    the ratio row's tiers within half the largest shard's states (whole shards move)."""
+    import json
+
+    from zeroshard.cli.main import main
+
+    assert main(["estimate", "--params", "28032", "--gpus-per-node", str(WORLD), "--cpu-only", "--precision",
+                 precision, "--optimizer", "adamw", "--offload-ratio", "0.5", "--json"]) == 0
+    by_label = {c["label"]: c["memory"] for c in json.loads(capsys.readouterr().out)["candidates"]}
+    for key, (case, offload) in RUNS.items():
+        if case.model != "gpt" or case.precision != precision:
+            continue
+        est = by_label[CLI_LABELS[key.split("-", 2)[2]].format(st=case.stage)]
+        cli = {"params": est["params"] + est["host_params"], "grads": est["grads"] + est["host_grads"],
+               "optimizer_states": est["optimizer_states"] + est["host_optimizer_states"],
+               "tier_device": est["device_at_rest"], "tier_host": est["host_at_rest"]}
+        for rank in range(WORLD):
+            r = ledgers[rank][key]
+            slack = 0
+            if "ratio" in key:
+                layout = predict(key, r)[0]
+                slack = strategy_for(case, offload, r["zero"]).k_on(host=True) * max(layout.shards) / 2
+            for k, v in cli.items():
+                tol = slack if k.startswith("tier") else 0
+                assert abs(v - r["mem"][k]) <= max(tol, 0.05 * r["mem"][k]), (key, rank, k, v, r["mem"][k])
+
+
 def table(ledgers) -> str:
     rows = ["| run | tier_device measured = estimate | tier_host measured = estimate | params / grads / optimizer "
             "(dev+host) measured | Φ-only worst | GPU case: host + fp32 master |",
