@@ -33,6 +33,7 @@ from zeroshard.stages.assembly import (
 from zeroshard.api.banner import startup_banner
 from zeroshard.api.gathered import register_engine
 from zeroshard.comm import Comm, CommLedger, Topology
+from zeroshard.config.model_defaults import choose_for_model
 from zeroshard.offload import host_step_threads, optimizer_tiers
 from zeroshard.optim.clipping import clip_coefficient, global_grad_norm
 from zeroshard.optim.loss_scaler import make_loss_scaler
@@ -60,9 +61,10 @@ class Engine:
         if settings.zero.stage != Stage.PARAMETERS:
             module.to(topology.device)  # stage 3 moves one unit at a time
         self.module = module
-        zero = settings.zero
-
         parts = split_parameters(module)
+        # bucket sizes the config left out are chosen for this model (and printed)
+        self.settings = settings = choose_for_model(settings, sum(p.numel() for p in parts.trainable))
+        zero = settings.zero
         self.plan = plan_optimizer(optimizer, settings.optimizer, parts.trainable, topology.device)
         if zero.stage == Stage.PARAMETERS:
             masters = self._assemble_stage3(parts)
