@@ -125,12 +125,24 @@ def _chain_link(rank: int, world_size: int, root: str, position: int) -> dict:
     return out
 
 
+def probe(engine, case: Case) -> torch.Tensor:
+    """What this rank's module computes on one input shared by every rank (not an all-gather
+    of the same shards: the parameters each rank's forward really uses)."""
+    if case.model == "mlp":
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(3, 16, generator=g), torch.randn(3, 8, generator=g)
+    else:
+        x = y = torch.arange(3 * 16).reshape(3, 16) % 64
+    with torch.no_grad():
+        return engine(x, y)[0].detach().float().clone()
+
+
 def _worker(rank: int, world_size: int, cases: list[Case], root: str, links: list[int]):
     dist.init_process_group("gloo")
     out = {"cases": []}
     for case in cases:
         engine, losses = train_engine(case, rank, world_size)
-        out["cases"].append({"state": engine.full_state_dict(), "losses": losses,
+        out["cases"].append({"state": engine.full_state_dict(), "losses": losses, "probe": probe(engine, case),
                              "padding": [b.layout.padding for b in engine.buckets],
                              "shard": [b.layout.shard_numel for b in engine.buckets]})
         engine.close()
@@ -180,6 +192,9 @@ def test_oracle_at_world_size(runs, case, world_size):
     first = per_rank[0]["state"]
     for rank, result in enumerate(per_rank[1:], 1):
         assert all(torch.equal(first[k], result["state"][k]) for k in first), f"rank {rank} differs from rank 0"
+        assert torch.equal(result["probe"], per_rank[0]["probe"]), (
+            f"rank {rank}'s module computes differently from rank 0's "
+            f"(max {(result['probe'] - per_rank[0]['probe']).abs().max().item():.3g})")
 
 
 def test_padding_is_really_uneven(runs):
