@@ -108,6 +108,13 @@ def test_every_byte_is_counted_on_its_tier(i, results):
 
 
 # -- checkpoints move between offload settings, stages and world sizes -----------------------
+def _steps(engine, case, rank, world, steps):
+    for step in steps:
+        x, y = batch(case, step, world)
+        engine.backward(loss_of(engine, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+        engine.step()
+
+
 def _save_resume(rank, world, root):
     """A: 3 steps with offload, save, 2 more. B: no offload at stage 1, loads A's step 3, 2 more.
     C: the reverse direction. All fp32: the end states must be equal exactly."""
@@ -118,29 +125,20 @@ def _save_resume(rank, world, root):
     a = zeroshard.initialize(make_model(case), _config(case, BOTH))
     b_case = Case(stage=1, optimizer="adamw", steps=5)
     out = {}
-    for step in range(5):
-        x, y = batch(case, step, world)
-        a.backward(loss_of(a, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
-        a.step()
-        if step == 2:
-            a.save_checkpoint(f"{root}/offloaded")
+    _steps(a, case, rank, world, range(3))
+    a.save_checkpoint(f"{root}/offloaded")
+    _steps(a, case, rank, world, range(3, 5))
     out["a"] = a.full_state_dict()
     a.close()
     b = zeroshard.initialize(make_model(b_case), _config(b_case, None))
     b.load_checkpoint(f"{root}/offloaded")
     b.save_checkpoint(f"{root}/plain")
-    for step in range(3, 5):
-        x, y = batch(case, step, world)
-        b.backward(loss_of(b, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
-        b.step()
+    _steps(b, case, rank, world, range(3, 5))
     out["b"] = b.full_state_dict()
     b.close()
     c = zeroshard.initialize(make_model(case), _config(case, BOTH))
     c.load_checkpoint(f"{root}/plain")
-    for step in range(3, 5):
-        x, y = batch(case, step, world)
-        c.backward(loss_of(c, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
-        c.step()
+    _steps(c, case, rank, world, range(3, 5))
     out["c"] = c.full_state_dict()
     c.close()
     return out

@@ -212,9 +212,9 @@ def _json_state(reader: CheckpointReader, bucket, name: str) -> Any:
 # -- counters, scheduler, scaler, RNG --------------------------------------------------------------------
 def _load_training_state(reader: CheckpointReader, ts, optimizer_states: bool, scheduler_states: bool) -> None:
     meta = reader.meta
-    ts.global_steps = int(meta["global_steps"])
-    ts.micro_steps = int(meta["micro_steps"])
-    ts.skipped_steps = int(meta["skipped_steps"])
+    ts.counters.global_steps = int(meta["global_steps"])
+    ts.counters.micro_steps = int(meta["micro_steps"])
+    ts.counters.skipped_steps = int(meta["skipped_steps"])
     if optimizer_states:
         ts.loss_scaler.load_state_dict(meta["loss_scaler"])
     sched, saved = ts.lr_scheduler, meta.get("lr_scheduler")

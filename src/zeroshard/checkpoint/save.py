@@ -63,7 +63,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     ts = train_state_of(engine)
     save_dir = os.fspath(save_dir)
     device = ts.device
-    tag = tag if tag is not None else f"global_step{ts.global_steps}"
+    tag = tag if tag is not None else f"global_step{ts.counters.global_steps}"
     tmp = os.path.join(save_dir, TMP_PREFIX + tag)
     error: BaseException | None = None
     try:
@@ -143,8 +143,8 @@ def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> d
         "torch_version": torch.__version__,
         "world_size": ts.world_size, "stage": int(ts.settings.zero.stage),
         "compute_dtype": str(ts.compute_dtype),
-        "global_steps": ts.global_steps, "micro_steps": ts.micro_steps,
-        "skipped_steps": ts.skipped_steps,
+        "global_steps": ts.counters.global_steps, "micro_steps": ts.counters.micro_steps,
+        "skipped_steps": ts.counters.skipped_steps,
         **table.to_json(),
         "buckets": [b.to_json() for b in part.buckets],
         "optimizer": {"class": type(opt).__name__, "states": kinds, "param_groups": groups,

@@ -56,27 +56,3 @@ class TrainState:
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.settings.precision.compute.dtype
-
-    @property
-    def global_steps(self) -> int:
-        return self.counters.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.counters.global_steps = value
-
-    @property
-    def micro_steps(self) -> int:
-        return self.counters.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.counters.micro_steps = value
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.counters.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.counters.skipped_steps = value
