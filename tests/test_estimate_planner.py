@@ -121,7 +121,7 @@ def test_parameter_offload_comes_after_checkpointing_with_optimizer_offload():
     assert "same step time" in p.route[_route_index(p, "stage 3 opt→cpu +AC")]
     for label in ("stage 3 opt→cpu param→cpu", "stage 3 opt→cpu param→cpu +AC"):
         line = p.route[_route_index(p, label)]
-        assert "also fits" in line and "slower" in line and "needs parameter offload" in line, line
+        assert "also fits" in line and "slower" in line and "adds parameter offload" in line, line
 
 
 def test_engine_keeps_gradients_on_the_device_so_7b_needs_parameter_offload_on_24gb():
@@ -141,4 +141,4 @@ def test_engine_model_with_room_for_the_gradient_prefers_checkpointing_to_parame
     p = _7b_24gb(mem="40GiB")
     assert p.winner.label() == "stage 1 opt→cpu +AC"  # on one GPU stage 1 holds what stage 2 holds: the lower wins
     line = p.route[_route_index(p, "stage 3 opt→cpu param→cpu")]
-    assert "also fits" in line and "needs parameter offload" in line
+    assert "also fits" in line and "adds parameter offload" in line

@@ -284,7 +284,7 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
     tiers = candidate_strategies(work, shape.hidden, frozen_base=shape.frozen_params > 0)
     lora = shape.frozen_params > 0
     why = ("the fastest that fits" if lora else "the lowest stage that fits") + \
-        f" in the first tier of the route that fits ({_tier_name(tiers[tier_index])})"
+        f" in the first tier of the route with a fit ({_tier_name(tiers[tier_index])})"
     if tier_index > 0:
         why += "; nothing fits in the cheaper tiers before it"
     for c in p.candidates:
@@ -303,21 +303,21 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
             p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} GiB per device), {verdict}")
         else:
             p.route.append(f"{c.label()}: rejected, {c.why_not()}")
-    # When the winner needed a knob (checkpointing, offload): the later tiers that fit too, and why
-    # the route does not take them. (A winner of the first tier needs nothing: nothing to explain.)
+    # When the winner needed a knob (checkpointing, offload): the fastest fit of each later tier,
+    # and why the route does not take it. (A winner of the first tier needs nothing.)
     seen = {c.label() for c in p.candidates}
     later = []
     for tier in (tiers[tier_index + 1:] if tier_index > 0 else ()):
-        for st in tier:
-            c = evaluate(shape, st, cluster, work)
-            if c.label() not in seen and c.fits:
-                later.append(c)
-                seen.add(c.label())
+        fits = [c for c in (evaluate(shape, st, cluster, work) for st in tier) if c.fits and c.label() not in seen]
+        if fits:
+            best = min(fits, key=lambda c: c.time.step)
+            later.append(best)
+            seen.add(best.label())
     for c in later:
         extra = sorted(_knobs(c.strategy) - _knobs(winner.strategy)) or ["a later tier"]
         p.route.append(f"{c.label()}: also fits ({c.memory.device_total / GIB:.1f} GiB per device), "
-                       f"{_compare(c, winner)}; needs {' and '.join(extra)}, which the route takes only when "
-                       f"nothing cheaper fits")
+                       f"{_compare(c, winner)}; it adds {' and '.join(extra)}, a later tier of the route, "
+                       f"tried only when nothing fits in the earlier ones")
     s = winner.strategy
     if s.stage == Stage.PARAMETERS and not s.zeropp and cluster.nodes > 1:
         share = winner.time.comm_inter / winner.time.step
