@@ -156,7 +156,7 @@ _LORA_ROUTE = (
 
 def _tier_name(tier: list[Strategy]) -> str:
     s = tier[0]
-    if s.offload_optimizer == V or s.offload_param == V or any(V in (t.offload_optimizer, t.offload_param) for t in tier):
+    if any(V in (t.offload_optimizer, t.offload_param) for t in tier):
         what = "NVMe offload"
     elif any(t.offload_param == C for t in tier) and all(t.offload_optimizer == C for t in tier):
         what = "optimizer and parameter offload to host"
