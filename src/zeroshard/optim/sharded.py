@@ -57,7 +57,7 @@ class ShardedOptimizer:
             else:
                 self.masters.append(tier.place(m if m is not None else shard.detach().float(), copy=m is None))
         self._separate = [m.data_ptr() != b.shard().data_ptr() for m, b in zip(self.masters, buckets)]
-        self._staging = _GradStaging(self.masters, buckets)
+        self._staging = _GradStaging(self.masters, buckets, memory)
         groups = [
             {**options, "params": [m for m, b in zip(self.masters, buckets) if b.layout.group == g]}
             for g, options in enumerate(group_options)
@@ -147,7 +147,8 @@ class _GradStaging:
     shard itself. CUDA device -> host: two pinned buffers of the largest sub-group, filled on
     a side stream, so the copy of sub-group k+1 overlaps the step of sub-group k."""
 
-    def __init__(self, masters: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
+    def __init__(self, masters: list[torch.Tensor], buckets: list[FlatBucket], memory: MemoryLedger) -> None:
+        self._memory = memory
         self._crossing = [m.device != b.shard().device for m, b in zip(masters, buckets)]
         self._masters = masters
         self._stream = None
@@ -194,4 +195,6 @@ class _GradStaging:
         if buf.numel() < numel or buf.dtype != dtype:
             buf = torch.empty(numel, dtype=dtype).pin_memory()
             self._buffers[self._turn] = buf
+            self._memory.hold("comm_buffers", f"grad_staging{self._turn}", buf.numel() * buf.element_size(),
+                              tier="host")
         return buf

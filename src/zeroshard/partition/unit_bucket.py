@@ -64,7 +64,10 @@ class UnitBucket(FlatBucket):
         in other memory (then an asynchronous copy from pinned host memory on CUDA)."""
         if self._home is None or self._shard is None:
             return self.shard()
-        return self._home.fetch(self._shard, self._device)
+        work = self._home.fetch(self._shard, self._device)
+        if work.data_ptr() != self._shard.data_ptr():  # a device copy until the gather is bound
+            self.memory.hold("comm_buffers", f"{self.key}.fetch", work.numel() * work.element_size())
+        return work
 
     def new_full(self) -> torch.Tensor:
         """An empty full buffer for an all-gather, counted as live parameters."""
@@ -76,6 +79,7 @@ class UnitBucket(FlatBucket):
         for view, param in zip(slot_views(full, self.layout), self.params):
             param.data = view
         self.data = full
+        self.memory.release("comm_buffers", f"{self.key}.fetch")
 
     def release(self) -> None:
         nan = torch.full((), float("nan") if self._dtype.is_floating_point else 0,
@@ -84,3 +88,4 @@ class UnitBucket(FlatBucket):
             param.data = nan.expand(slot.shape)
         self.data = None
         self.memory.release("params", f"{self.key}.full")
+        self.memory.release("comm_buffers", f"{self.key}.fetch")
