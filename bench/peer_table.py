@@ -1,0 +1,54 @@
+"""Print one table (markdown) from the peer harness' results: bench/peer-results/<tag>/.
+
+    python bench/peer_table.py bench/peer-results/50M_fp32
+
+Step time: per step the max over ranks, median over the timed steps, with min-max spread;
+peak RSS per rank over the timed steps (high-water mark reset at the first timed step);
+model states per rank as the harness counts them; then the ratios the issues ask about.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+RATIOS = [("zs2", "ddp"), ("zs2", "ds2"), ("zs3", "fsdp2"), ("zs3", "ds3"), ("zs2_offload", "zs2"),
+          ("zs3_offload", "zs3"), ("zs2_offload", "ds2_offload"), ("zs3_offload", "ds3_offload"),
+          ("zs0", "ddp"), ("zs1", "ddp")]
+
+
+def load(folder: str) -> dict[str, dict]:
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json") and name != "summary.json":
+            with open(os.path.join(folder, name)) as f:
+                d = json.load(f)
+            if d.get("status") == "ok":
+                out[d["system"]] = d
+    return out
+
+
+def main(folder: str) -> None:
+    runs = load(folder)
+    print(f"| system | step median s | spread (min-max) | tokens/s | peak RSS MiB r0/r1 | model states MiB r0 |")
+    print("|---|---|---|---|---|---|")
+    medians = {}
+    for name, d in runs.items():
+        s = d["summary"]
+        steps = d["step_times_max_over_ranks_s"][d["spec"].get("warmup_steps", 3):]
+        medians[name] = statistics.median(steps)
+        rss = "/".join(f"{x:.0f}" for x in s["peak_rss_timed_mib_per_rank"])
+        print(f"| {name} | {medians[name]:.3f} | {min(steps):.3f}-{max(steps):.3f} | {s['tokens_per_s']:.0f} | "
+              f"{rss} | {s['model_state_mib_per_rank'][0]:.0f} |")
+    print()
+    print("| ratio of median step times | value |")
+    print("|---|---|")
+    for a, b in RATIOS:
+        if a in medians and b in medians:
+            print(f"| {a} / {b} | {medians[a] / medians[b]:.3f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench/peer-results/50M_fp32")
