@@ -64,7 +64,11 @@ def _env():
 
 
 def _results(stdout: str) -> list[dict]:
-    rows = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+    """Every rank's `RESULT {json}`. Both ranks print at the same moment into one pipe, and
+    print() writes the text and its newline separately, so two lines may come out run
+    together ("RESULT {...}RESULT {...}"): decode each object where its marker starts."""
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(part)[0] for part in stdout.split("RESULT ")[1:] if part.startswith("{")]
     return sorted(rows, key=lambda r: r["rank"])
 
 
