@@ -23,6 +23,8 @@ below `buckets x N x alignment` elements, a few KB for any real model.
 
 from __future__ import annotations
 
+from zeroshard.partition.layout import offload_split  # noqa: F401  (re-exported for the estimator)
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -141,18 +143,6 @@ def plan_layout(param_numels: Sequence[int], stage: Stage | int, precision: Prec
     align = alignment_for(precision)
     numels = bucket_numels(param_numels, reduce_bucket_size)
     return BucketPlan(tuple(numels), tuple(padded_size(b, count, align) for b in numels), count)
-
-
-def offload_split(sizes: Sequence[int], ratio: float) -> list[bool]:
-    """Which bucket shards (in order) `offload_optimizer.ratio` sends to the host: the first
-    ones, whole shards only, each taken while the offloaded elements up to its middle stay
-    within `ratio` of the total (the engine's rule, restated)."""
-    total, taken, out = sum(sizes), 0, []
-    for size in sizes:
-        goes = ratio >= 1.0 or (total > 0 and taken + size / 2 <= ratio * total)
-        out.append(goes)
-        taken += size if goes else 0
-    return out
 
 
 def plan_stage3_layout(unit_numels: Sequence[int], precision: Precision | str, n: int) -> BucketPlan:

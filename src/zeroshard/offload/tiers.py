@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from zeroshard.partition.layout import offload_split
 from zeroshard.policies import OffloadDevice, OffloadPolicy
 
 log = logging.getLogger("zeroshard")
@@ -96,17 +97,6 @@ def make_tier(policy: OffloadPolicy, device: torch.device) -> Tier:
     raise NotImplementedError(f"offload device {policy.device.value!r} has no tier yet")
 
 
-def split_by_ratio(sizes: Sequence[int], ratio: float) -> list[bool]:
-    """Which items (in order) go to the offload tier so that about `ratio` of the elements
-    do: the first ones, whole items only (DeepSpeed's `offload_optimizer.ratio`)."""
-    total, taken, out = sum(sizes), 0, []
-    for size in sizes:
-        goes = ratio >= 1.0 or (total > 0 and taken + size / 2 <= ratio * total)
-        out.append(goes)
-        taken += size if goes else 0
-    return out
-
-
 def host_step_threads(local_world_size: int) -> tuple[int, str]:
     """Intra-op threads for this rank's host step, so the ranks of a node never oversubscribe
     its cores: set to cores // local ranks when torch would use more; what torch or
@@ -127,4 +117,4 @@ def optimizer_tiers(policy: OffloadPolicy, sizes: Sequence[int], device: torch.d
     if policy.device is OffloadDevice.NONE:
         return [device_tier] * len(sizes)
     offload = make_tier(policy, device)
-    return [offload if goes else device_tier for goes in split_by_ratio(sizes, policy.ratio)]
+    return [offload if goes else device_tier for goes in offload_split(sizes, policy.ratio)]

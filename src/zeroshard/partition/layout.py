@@ -117,3 +117,15 @@ def chunk_ranges(total: int, chunk: int) -> list[tuple[int, int]]:
     """[0, total) cut into consecutive ranges of at most `chunk` elements."""
     chunk = max(1, chunk)
     return [(s, min(s + chunk, total)) for s in range(0, total, chunk)]
+
+
+def offload_split(sizes: Sequence[int], ratio: float) -> list[bool]:
+    """Which items (bucket shards, in order) `offload_optimizer.ratio` sends to the offload
+    tier: the first ones, whole items only, each taken while the offloaded elements up to its
+    middle stay within `ratio` of the total. The engine and the estimator both use this."""
+    total, taken, out = sum(sizes), 0, []
+    for size in sizes:
+        goes = ratio >= 1.0 or (total > 0 and taken + size / 2 <= ratio * total)
+        out.append(goes)
+        taken += size if goes else 0
+    return out
