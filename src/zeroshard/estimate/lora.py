@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 from zeroshard.policies import ConfigError
 
-from zeroshard.estimate.model_size import ModelShape
+from zeroshard.estimate.model_size import ModelShape, meta_model
 
 __all__ = ["LoraCount", "DEFAULT_TARGETS", "add_adapters", "default_targets", "lora_from_hf_config",
            "lora_from_module", "lora_from_shape", "parse_targets"]
@@ -172,18 +172,11 @@ def lora_from_hf_config(cfg: dict, r: int, targets: list[str] | None = None) -> 
     except KeyError as e:
         raise ConfigError(f"model config (model_type {mt!r}) lacks the key {e.args[0]!r}") from None
     try:
-        import torch
-        import transformers
+        import transformers  # noqa: F401
     except ImportError:
         raise ConfigError(f"--lora on model_type {mt!r} needs transformers to find its modules "
                           "(analytic: llama, mistral, qwen2, gpt2): pip install 'transformers>=4.40,<6'") from None
-    config = transformers.AutoConfig.for_model(**cfg)
-    with torch.device("meta"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            model = transformers.AutoModel.from_config(config)
-    return lora_from_module(model, r, targets)
+    return lora_from_module(meta_model(cfg), r, targets)
 
 
 def lora_from_shape(shape: ModelShape, r: int, targets: list[str] | None = None) -> LoraCount:

@@ -153,17 +153,21 @@ def count_hf_config(cfg: dict) -> tuple[int, int, int]:
     return total, unit, layer
 
 
-def _count_with_transformers(cfg: dict) -> tuple[int, int, int]:
+def meta_model(cfg: dict):
+    """A transformers model built from a config dict on the meta device (no memory, no download)."""
     import torch
     import transformers
 
     config = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            return transformers.AutoModelForCausalLM.from_config(config)
         except ValueError:
-            model = transformers.AutoModel.from_config(config)
-    return _count_module(model)
+            return transformers.AutoModel.from_config(config)
+
+
+def _count_with_transformers(cfg: dict) -> tuple[int, int, int]:
+    return _count_module(meta_model(cfg))
 
 
 def shape_from_hf_config(path: str, use_transformers: bool | None = None) -> ModelShape:
