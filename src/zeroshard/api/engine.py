@@ -51,6 +51,19 @@ log = logging.getLogger("zeroshard")
 SchedulerArg = torch.optim.lr_scheduler.LRScheduler | Callable[[torch.optim.Optimizer], Any] | None
 
 
+class _Counter:
+    """An Engine attribute that reads and writes the same-named field of `train_state.counters`."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine, owner=None) -> int:
+        return self if engine is None else getattr(engine.train_state.counters, self.name)
+
+    def __set__(self, engine, value: int) -> None:
+        setattr(engine.train_state.counters, self.name, value)
+
+
 class Engine:
     def __init__(self, module: nn.Module, settings: Settings, topology: Topology,
                  optimizer: OptimizerArg = None, lr_scheduler: SchedulerArg = None) -> None:
@@ -227,29 +240,9 @@ class Engine:
         return self.loss_scaler.scale
 
     # the step counters live in the TrainState (checkpoints read and restore them there)
-    @property
-    def global_steps(self) -> int:
-        return self.train_state.counters.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.train_state.counters.global_steps = value
-
-    @property
-    def micro_steps(self) -> int:
-        return self.train_state.counters.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.train_state.counters.micro_steps = value
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.train_state.counters.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.train_state.counters.skipped_steps = value
+    global_steps = _Counter()
+    micro_steps = _Counter()
+    skipped_steps = _Counter()
 
     @property
     def world_size(self) -> int:
