@@ -60,6 +60,7 @@ def startup_banner(engine: "Engine", parts: ModelParts) -> list[str]:
                      "at the accumulation boundary (as DeepSpeed)"
                      + ("" if topo.device.type == "cuda" else "; host and device are the same memory here: "
                         "no copies, the ledger's tiers say where each byte belongs"))
+    lines += [f"  {line}" for line in getattr(engine, "nvme_lines", [])]
     if z.stage == Stage.PARAMETERS:
         persistent = sum(bk.layout.numel for bk in engine.buckets if not isinstance(bk, UnitBucket))
         lines += [f"  {line}" for line in describe_units(engine.units, engine.unit_rule, persistent, z.stage3)]

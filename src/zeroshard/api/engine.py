@@ -88,11 +88,13 @@ class Engine:
                                                  if id(p) not in sharded))
         # a sub-group's 16-bit gradients are upcast to fp32 together: at most one bucket's worth
         sub_group = min(zero.sub_group_size, zero.reduce_bucket_size)
-        tiers = optimizer_tiers(zero.offload_optimizer, [b.shard().numel() for b in self.buckets], topology.device)
+        sizes = [b.shard().numel() for b in self.buckets]
+        tiers = optimizer_tiers(zero.offload_optimizer, sizes, topology.device, settings.aio, topology.rank)
         self.host_threads = host_step_threads(topology.local_world_size)[1] if any(
-            t.name == "host" for t in tiers) else ""
+            t.name in ("host", "nvme") for t in tiers) else ""
+        self.nvme_lines = self._prepare_nvme(tiers, sizes)
         self.optimizer = ShardedOptimizer(self.buckets, masters, self.plan.build, self.plan.group_options,
-                                          self.memory, sub_group, tiers)
+                                          self.memory, sub_group, tiers, zero.offload_optimizer.buffer_count)
         self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
         self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)
 
@@ -141,6 +143,17 @@ class Engine:
         publisher = ParamPublisher(self.buckets, self.comm, self.memory, self.settings.zero.allgather_bucket_size)
         self.params = PartitionedParams(runtime, publisher, s3.persistent)
         return masters
+
+    def _prepare_nvme(self, tiers, sizes: list[int]) -> list[str]:
+        """offload_optimizer: nvme: space check and I/O self-test before any shard is written."""
+        nvme = [t for t in tiers if t.name == "nvme"]
+        if not nvme:
+            return []
+        from zeroshard.optim.nvme_swap import prepare_disk
+
+        return prepare_disk(nvme[0], [n for n, t in zip(sizes, tiers) if t.name == "nvme"], self.plan.build,
+                            self.plan.group_options, self.topology.local_world_size,
+                            self.settings.zero.offload_optimizer)
 
     def _cast_rest(self) -> None:
         if self.compute_dtype != torch.float32:
@@ -310,7 +323,8 @@ class Engine:
         frozen = {id(p): (b, s) for b, bucket in enumerate(self.frozen_buckets)
                   for s, p in enumerate(bucket.params)}
         full_of: dict[int, torch.Tensor] = {}
-        for bucket, full in full_fp32_buckets(self.buckets, self.optimizer.masters, self.comm,
+        masters = (self.optimizer.master_value(b) for b in range(len(self.buckets)))  # one at a time (nvme)
+        for bucket, full in full_fp32_buckets(self.buckets, masters, self.comm,
                                               self.grads.partitioned):
             full_of[id(bucket)] = full.cpu()
         for bucket in self.frozen_buckets:
@@ -334,7 +348,8 @@ class Engine:
     def refresh_params_from_masters(self) -> None:
         """Write every fp32 master shard into its bucket (in the compute dtype) and publish
         it to all ranks, as after an optimizer step. For checkpoint loading and user edits."""
-        for b, (bucket, master) in enumerate(zip(self.buckets, self.optimizer.masters)):
+        for b, bucket in enumerate(self.buckets):
+            master = self.optimizer.master_value(b)  # read from its file on the nvme tier
             if master.data_ptr() != bucket.shard().data_ptr():
                 bucket.shard().copy_(master)
             self.params.publish(b)
@@ -371,6 +386,7 @@ class Engine:
         """Remove hooks, and destroy the process group if `initialize` created it."""
         self.grads.remove_hooks()
         self.params.remove_hooks()
+        self.optimizer.close()  # the nvme tier's files go
         self.topology.destroy()
 
     # -- internals ----------------------------------------------------------------------------

@@ -86,7 +86,8 @@ class GatheredParameters:
             if isinstance(bucket, UnitBucket):
                 bucket.shard().copy_(bucket.data[lo:hi])
             if b < len(engine.buckets):
-                engine.optimizer.masters[b].copy_(bucket.data[lo:hi])
+                with engine.optimizer.resident(b):  # nvme tier: read, edited, written back
+                    engine.optimizer.masters[b].copy_(bucket.data[lo:hi])
         for p in self.params:
             if id(p) not in touched:
                 comm.broadcast(p.data, src, what=f"GatheredParameters from rank {src}").wait()

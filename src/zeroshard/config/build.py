@@ -15,7 +15,7 @@ from typing import Any
 from zeroshard.config.schema import RootConfig
 from zeroshard.config.zero_schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from zeroshard.policies import (
-    BatchPolicy, CommsLoggerPolicy, ConfigError, LossScalePolicy, OffloadDevice, OffloadPolicy,
+    AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, LossScalePolicy, OffloadDevice, OffloadPolicy,
     OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy, SchedulerSpec, Settings, Stage,
     Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
 )
@@ -51,6 +51,14 @@ def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, buffer_c
                  "fast_init": block.fast_init, "ratio": block.ratio}
     return OffloadPolicy(device=OffloadDevice(block.device), nvme_path=block.nvme_path,
                          pin_memory=block.pin_memory, buffer_count=block.buffer_count, **extra)
+
+
+def _aio(config: RootConfig) -> AioPolicy:
+    a = config.aio
+    if a is None:
+        return AioPolicy()
+    return AioPolicy(block_size=a.block_size, queue_depth=a.queue_depth, intra_op_parallelism=a.intra_op_parallelism,
+                     single_submit=a.single_submit, overlap_events=a.overlap_events, use_gds=a.use_gds)
 
 
 def _stage3(zero: ZeroConfig) -> Stage3Policy:
@@ -144,6 +152,7 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
         steps_per_print=config.steps_per_print,
         wall_clock_breakdown=config.wall_clock_breakdown,
         comms_logger=comms,
+        aio=_aio(config),
         runtime=(RuntimePolicy(comm_timeout_s=runtime.comm_timeout_s,
                                cast_forward_inputs=runtime.cast_forward_inputs)
                  if runtime is not None else RuntimePolicy()),

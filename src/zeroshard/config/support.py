@@ -102,7 +102,8 @@ def _unbuilt_scheduler(c: "RootConfig") -> str | None:
 _Z = "zero_optimization."
 GAPS: tuple[Gap, ...] = (
     Gap(_Z + "stage", lambda c: _when(c.stage == 3, 3), "0, 1 or 2", built=True),
-    Gap(_Z + "offload_optimizer.device", lambda c: _nvme(c.zero.offload_optimizer), '"cpu" or "none"', ZERO_STAGES),
+    Gap(_Z + "offload_optimizer.device", lambda c: _nvme(c.zero.offload_optimizer), '"cpu" or "none"', ZERO_STAGES,
+        built=True),  # the NVMe tier (issue 11)
     Gap(_Z + "offload_param.device", lambda c: _nvme(c.zero.offload_param), '"cpu" or "none"', STAGE3),
     Gap(_Z + "zero_quantized_weights", lambda c: _when(c.zero.zero_quantized_weights), "false", STAGE3),
     Gap(_Z + "zero_quantized_gradients", lambda c: _when(c.zero.zero_quantized_gradients), "false", STAGE3),

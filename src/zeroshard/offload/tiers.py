@@ -3,10 +3,10 @@
 A tier allocates a shard's home (`place`), hands a work copy to a device (`fetch`, async on
 CUDA: pinned host memory and a side stream) and writes a work tensor back home (`store`).
 `device` keeps shards where the model computes; `host` keeps them in CPU memory, pinned when
-CUDA exists and `pin_memory` is set. On a CPU-only machine device and host are the same
-memory: `fetch` and `store` return or write the same tensor, no copy is made, and only the
-ledger's tier says where a byte belongs. The NVMe tier (files, positioned I/O) plugs into
-the same three calls.
+CUDA exists and `pin_memory` is set; `nvme` (offload/nvme.py) keeps them in files. On a
+CPU-only machine device and host are the same memory: `fetch` and `store` return or write
+the same tensor, no copy is made, and only the ledger's tier says where a byte belongs. The
+NVMe tier (files, positioned I/O, offload/nvme.py) plugs into the same three calls.
 
 Nothing here knows about stages, buckets or optimizers.
 """
@@ -89,12 +89,20 @@ class HostTier(Tier):
         return "host (cpu" + (", pinned)" if self.pin else ")")
 
 
-def make_tier(policy: OffloadPolicy, device: torch.device) -> Tier:
+def make_tier(policy: OffloadPolicy, device: torch.device, aio=None, rank: int = 0,
+              purpose: str = "shards") -> Tier:
+    """The tier `policy` asks for. `aio` (an AioPolicy), `rank` and `purpose` name and drive the
+    NVMe tier's files; the other tiers ignore them."""
     if policy.device is OffloadDevice.CPU:
         return HostTier(policy.pin_memory)
     if policy.device is OffloadDevice.NONE:
         return DeviceTier(device)
-    raise NotImplementedError(f"offload device {policy.device.value!r} has no tier yet")
+    if policy.device is OffloadDevice.NVME:
+        from zeroshard.offload.nvme import NvmeTier
+        from zeroshard.policies import AioPolicy
+
+        return NvmeTier(policy.nvme_path, aio or AioPolicy(), purpose, rank)
+    raise NotImplementedError(f"offload device {policy.device.value!r} has no tier")
 
 
 def host_step_threads(local_world_size: int) -> tuple[int, str]:
@@ -110,11 +118,13 @@ def host_step_threads(local_world_size: int) -> tuple[int, str]:
     return now, f"{now} thread(s) ({cores} cores, {local_world_size} local ranks)"
 
 
-def optimizer_tiers(policy: OffloadPolicy, sizes: Sequence[int], device: torch.device) -> list[Tier]:
+def optimizer_tiers(policy: OffloadPolicy, sizes: Sequence[int], device: torch.device, aio=None,
+                    rank: int = 0) -> list[Tier]:
     """The tier of each bucket shard's master and optimizer states: all on the device, or on
-    the host with `offload_optimizer: cpu`, the first `ratio` of the elements at stage 3."""
+    the host (`cpu`) or in files (`nvme`) with `offload_optimizer`, the first `ratio` of the
+    elements at stage 3."""
     device_tier = DeviceTier(device)
     if policy.device is OffloadDevice.NONE:
         return [device_tier] * len(sizes)
-    offload = make_tier(policy, device)
+    offload = make_tier(policy, device, aio, rank, "optimizer")
     return [offload if goes else device_tier for goes in offload_split(sizes, policy.ratio)]

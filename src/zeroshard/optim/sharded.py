@@ -12,7 +12,9 @@ host with `offload_optimizer` (ZeRO-Offload). A host sub-group's gradient shards
 to the host before it steps (on CUDA through pinned staging buffers on a side stream, the
 next sub-group's copy overlapping this one's step) and its updated masters are written back
 to the device shards. Where host and device are the same memory (a CPU-only machine) no
-copy is made: the tier only says, in the ledger, where each byte belongs.
+copy is made: the tier only says, in the ledger, where each byte belongs. Buckets on the
+`nvme` tier are swapped in and out around their sub-group's step by `optim/nvme_swap.py`
+(the `_swap` lines below are its only hooks).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def sub_groups(sizes: list[int], cap: int) -> list[list[int]]:
 class ShardedOptimizer:
     def __init__(self, buckets: list[FlatBucket], masters: list[torch.Tensor | None], build: Builder,
                  group_options: list[dict[str, Any]], memory: MemoryLedger, sub_group_size: int,
-                 tiers: list[Tier] | None = None) -> None:
+                 tiers: list[Tier] | None = None, swap_buffers: int = 3) -> None:
         """`masters[b]` is the fp32 value of bucket b's shard, taken before any cast to 16 bits,
         or None when the shard is fp32 already: then the shard itself is the master, unless
         bucket b's tier (`tiers[b]`, the device by default) is other memory than the shard's."""
@@ -64,6 +66,7 @@ class ShardedOptimizer:
         ]
         self.optimizer = build(groups)
         self._sub_groups = sub_groups([m.numel() for m in self.masters], sub_group_size)
+        self._swap = _nvme_swap(self, build, group_options, swap_buffers)  # None unless a tier is nvme
         self._count_states()
 
     # The torch optimizer's surface that users and LR schedulers reach for.
@@ -80,6 +83,10 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+        if self._swap is not None:  # loaded states go to the files
+            for b, swapped in enumerate(self._swap.swapped):
+                if swapped:
+                    self._swap.spill(b)
         self._count_states()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -97,6 +104,8 @@ class ShardedOptimizer:
             grads = self._staging.finish(staged)
             if k + 1 < len(self._sub_groups):  # the next sub-group's device->host copy overlaps this step
                 staged = self._staging.start(self._sub_groups[k + 1], grad_shard)
+            if self._swap is not None:
+                self._swap.swap_in(k)  # and starts reading sub-group k+1
             upcast = 0
             for b, g in zip(indices, grads):
                 if g.dtype == torch.float32:
@@ -111,8 +120,42 @@ class ShardedOptimizer:
                 if self._separate[b]:
                     self.tiers[b].store(self.buckets[b].shard(), self.masters[b])
                 after_bucket(b)
+            if self._swap is not None:
+                self._swap.swap_out(k)  # written while sub-group k+1 steps
             self.memory.release("grads", "fp32_subgroup")
+        if self._swap is not None:
+            self._swap.drain()
         self._count_states()
+
+    # -- values of masters and states wherever they live (the NVMe tier keeps placeholders) --
+    def master_value(self, b: int) -> torch.Tensor:
+        """Bucket b's fp32 master values: the master itself, or a fresh copy read from its file."""
+        if self._swap is not None and self._swap.swapped[b]:
+            return self._swap.master_value(b)
+        return self.masters[b]
+
+    def state_value(self, b: int, name: str) -> Any:
+        if self._swap is not None and self._swap.swapped[b]:
+            return self._swap.state_value(b, name)
+        return self.optimizer.state[self.masters[b]][name]
+
+    def resident(self, b: int):
+        """A context in which bucket b's master and states are real tensors that may be edited."""
+        import contextlib
+
+        return self._swap.resident(b) if self._swap is not None and self._swap.swapped[b] else contextlib.nullcontext()
+
+    def spill_states(self, b: int, states: dict[str, Any]) -> dict[str, Any]:
+        """`states` for bucket b as they should be handed to load_state_dict: on the NVMe tier the
+        per-element ones are written to the file now and replaced by placeholders (bounded memory)."""
+        if self._swap is not None and self._swap.swapped[b]:
+            return self._swap.spill(b, states)
+        return states
+
+    def close(self) -> None:
+        """Finish pending I/O and remove the NVMe tier's files (nothing to do on other tiers)."""
+        if self._swap is not None:
+            self._swap.close()
 
     def _state_tensors(self, master: torch.Tensor) -> Iterator[torch.Tensor]:
         for value in self.optimizer.state.get(master, {}).values():
@@ -140,6 +183,16 @@ class ShardedOptimizer:
             parts.append(f"{name} {sum(self.masters[b].numel() for b in idx):,} elements "
                          f"({len(idx)} bucket shard(s))")
         return ", ".join(parts)
+
+
+def _nvme_swap(opt: ShardedOptimizer, build: Builder, group_options: list[dict[str, Any]], buffers: int):
+    if not any(t.name == "nvme" for t in opt.tiers):
+        return None
+    from zeroshard.optim.nvme_swap import SwapPipeline, state_count
+
+    tier = next(t for t in opt.tiers if t.name == "nvme")
+    return SwapPipeline(tier, opt.masters, [t.name == "nvme" for t in opt.tiers], opt._sub_groups, opt.optimizer,
+                        state_count(build, group_options[0] if group_options else {}), buffers, opt.memory)
 
 
 class _GradStaging:

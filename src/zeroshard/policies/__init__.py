@@ -6,9 +6,12 @@ from zeroshard.policies.errors import (
     CommTimeoutError,
     ConfigError,
     NotSupportedYetError,
+    NvmeError,
+    NvmeSpaceError,
     ZeroShardError,
 )
 from zeroshard.policies.settings import (
+    AioPolicy,
     BatchPolicy,
     CommsLoggerPolicy,
     LossScalePolicy,
@@ -27,6 +30,7 @@ from zeroshard.policies.settings import (
 )
 
 __all__ = [
+    "AioPolicy", "NvmeError", "NvmeSpaceError",
     "BatchPolicy", "CheckpointError", "CommError", "CommTimeoutError", "CommsLoggerPolicy",
     "ConfigError", "LossScalePolicy", "NotSupportedYetError", "OffloadDevice", "OffloadPolicy",
     "OptimizerSpec", "Precision", "PrecisionPolicy", "RuntimePolicy", "SchedulerSpec", "Settings",

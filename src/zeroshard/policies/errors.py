@@ -25,3 +25,11 @@ class CommTimeoutError(CommError):
 
 class CheckpointError(ZeroShardError, RuntimeError):
     """A checkpoint is missing, damaged, or does not match the model."""
+
+
+class NvmeError(ZeroShardError, RuntimeError):
+    """The NVMe tier's folder is missing, unwritable, too small, or an I/O on it failed."""
+
+
+class NvmeSpaceError(NvmeError):
+    """The NVMe tier's disk has (or would have) too little free space."""

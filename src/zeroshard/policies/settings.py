@@ -97,6 +97,18 @@ class OffloadPolicy:
 
 
 @dataclass(frozen=True)
+class AioPolicy:
+    """DeepSpeed's top-level `aio` block: how the NVMe tier's I/O engine is driven."""
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+
+@dataclass(frozen=True)
 class Stage3Policy:
     """Stage 3 knobs, in elements unless named otherwise."""
 
@@ -188,6 +200,7 @@ class Settings:
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
     comms_logger: CommsLoggerPolicy = field(default_factory=CommsLoggerPolicy)
+    aio: AioPolicy = field(default_factory=AioPolicy)
     runtime: RuntimePolicy = field(default_factory=RuntimePolicy)
     raw: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()

@@ -1,0 +1,274 @@
+"""The optimizer's swap pipeline over the NVMe tier (ZeRO-Infinity).
+
+A bucket shard whose tier is `nvme` has its fp32 master and its per-element optimizer states
+(Adam's exp_avg / exp_avg_sq, SGD's momentum) in the tier's file. In memory each is a
+placeholder (its shape, no storage), so the torch optimizer, the ledger and checkpoints see
+the right shapes while the bytes are on disk. The sharded optimizer steps sub-group by
+sub-group; around each sub-group this pipeline
+
+    swap_in(k)   waits for sub-group k's read, binds masters and states to its host buffer
+                 (`.data` of the very tensors the torch optimizer holds), then starts reading
+                 sub-group k+1 into the next buffer;
+    swap_out(k)  starts writing k's buffer back and puts the placeholders back;
+
+so reading k+1, stepping k and writing k-1 overlap. The host buffers are `slots` aligned
+buffers of the largest sub-group's (1 + K) x elements x 4 bytes (K: the optimizer's
+per-element states, found by stepping a probe once); 3 slots give the full overlap, 2 read
+ahead only, 1 is serial. Host-resident optimizer bytes never exceed the slots (the first step
+of a sub-group, where the torch optimizer creates its states, adds that sub-group's states
+for the time of its step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from zeroshard.offload.aio import DONE, Handle, align_up, aligned_empty
+from zeroshard.offload.nvme import NvmeTier, Region, placeholder
+from zeroshard.partition import MemoryLedger
+
+FULL_PIPELINE = 3  # read k+1, step k, write k-1
+
+
+def state_count(build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], options: dict[str, Any]) -> int:
+    """How many per-element state tensors the optimizer keeps per parameter: step it once on a
+    probe with a zero gradient and count."""
+    probe = torch.zeros(8, requires_grad=True)
+    opt = build([{**options, "params": [probe]}])
+    probe.grad = torch.zeros_like(probe)
+    opt.step()
+    return sum(1 for v in opt.state.get(probe, {}).values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def buffer_plan(buffer_count: int) -> tuple[int, str]:
+    """Slots used for `offload_optimizer.buffer_count`, and the start-up line saying why."""
+    if buffer_count <= 0:
+        return 1, (f"buffer_count={buffer_count} cannot hold a sub-group: using 1 buffer (serial read, step, "
+                   f"write); set buffer_count: {FULL_PIPELINE} to overlap reads and writes with the step")
+    if buffer_count == 1:
+        return 1, (f"buffer_count=1: serial read, step, write per sub-group; set buffer_count: {FULL_PIPELINE} "
+                   "for read k+1 / step k / write k-1")
+    if buffer_count == 2:
+        return 2, (f"buffer_count=2: sub-group k+1 is read during step k, but k-1's write finishes first; "
+                   f"set buffer_count: {FULL_PIPELINE} to overlap the writes too")
+    extra = "" if buffer_count == FULL_PIPELINE else f" (buffer_count={buffer_count}: {FULL_PIPELINE} are all it uses)"
+    return FULL_PIPELINE, f"{FULL_PIPELINE} buffers: read k+1 / step k / write k-1 overlap{extra}"
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.sub_group = -1  # whose data the buffer holds or is receiving
+        self.in_use = False  # bound to the optimizer's tensors (between swap_in and swap_out)
+        self.reads: list[Handle] = []
+        self.writes: list[Handle] = []
+
+
+class SwapPipeline:
+    def __init__(self, tier: NvmeTier, masters: list[torch.Tensor], swapped: list[bool],
+                 sub_groups: list[list[int]], optimizer: torch.optim.Optimizer, states_per_param: int,
+                 buffer_count: int, memory: MemoryLedger) -> None:
+        self.tier, self.masters, self.swapped, self.optimizer = tier, masters, swapped, optimizer
+        self.sub_groups = sub_groups
+        self.k = states_per_param
+        self.slots_used, self.buffer_line = buffer_plan(buffer_count)
+        self._piece = [align_up(m.numel() * 4) for m in masters]  # bytes of one tensor of bucket b, aligned
+        self.slot_bytes = max([sum(self._piece[b] * (1 + self.k) for b in g if swapped[b]) for g in sub_groups]
+                              or [0])
+        self._slots = [_Slot() for _ in range(self.slots_used)]
+        self._states: dict[tuple[int, str], Region] = {}
+        self._memory = memory
+        self.io_wait_s = 0.0
+        memory.hold("optimizer_states", "nvme_swap_buffers", 0, tier="host")
+
+    # -- buffers -----------------------------------------------------------------------------
+    def _slot(self, k: int) -> _Slot:
+        slot = self._slots[k % self.slots_used]
+        if slot.buffer is None and self.slot_bytes:
+            slot.buffer = aligned_empty(self.slot_bytes, torch.float32)
+            self._memory.hold("optimizer_states", "nvme_swap_buffers",
+                              sum(s.buffer.numel() * 4 for s in self._slots if s.buffer is not None), tier="host")
+        return slot
+
+    def _views(self, slot: _Slot, k: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """(b, [master view, state views...]) of sub-group k's swapped buckets in `slot`."""
+        offset = 0
+        for b in self.sub_groups[k]:
+            if not self.swapped[b]:
+                continue
+            n = self.masters[b].numel()
+            views = []
+            for _ in range(1 + self.k):
+                views.append(slot.buffer[offset // 4: offset // 4 + n])
+                offset += self._piece[b]
+            yield b, views
+
+    def state_names(self, b: int) -> list[str]:
+        m = self.masters[b]
+        return sorted(name for name, v in self.optimizer.state.get(m, {}).items()
+                      if torch.is_tensor(v) and v.dim() > 0 and v.numel() == m.numel() and v.dtype == torch.float32)
+
+    def _state_region(self, b: int, name: str) -> Region:
+        key = (b, name)
+        if key not in self._states:
+            self._states[key] = self.tier.allocate(self.masters[b].numel() * 4)
+        return self._states[key]
+
+    def _wait(self, handles: list[Handle]) -> None:
+        for h in handles:
+            self.tier.wait(h)
+            self.io_wait_s += h.wait_s
+        handles.clear()
+
+    # -- the pipeline --------------------------------------------------------------------------
+    def prefetch(self, k: int) -> None:
+        """Start reading sub-group k into its buffer (after that buffer's last write is done)."""
+        if k >= len(self.sub_groups) or not any(self.swapped[b] for b in self.sub_groups[k]):
+            return
+        slot = self._slot(k)
+        if slot.sub_group == k or slot.in_use:  # already coming, or still stepping (1 slot): read it later
+            return
+        self._wait(slot.writes)
+        self._wait(slot.reads)
+        slot.sub_group = k
+        for b, views in self._views(slot, k):
+            slot.reads.append(self.tier.read(self.tier.region_of(self.masters[b]), views[0]))
+            for name, view in zip(self.state_names(b), views[1:]):
+                slot.reads.append(self.tier.read(self._state_region(b, name), view))
+
+    def swap_in(self, k: int) -> None:
+        """Sub-group k's masters and states are in host memory, in the tensors the optimizer holds."""
+        if not any(self.swapped[b] for b in self.sub_groups[k]):
+            self.prefetch(k + 1)
+            return
+        self.prefetch(k)
+        slot = self._slot(k)
+        self._wait(slot.reads)
+        slot.in_use = True
+        for b, views in self._views(slot, k):
+            self.masters[b].data = views[0]
+            state = self.optimizer.state.get(self.masters[b], {})
+            for name, view in zip(self.state_names(b), views[1:]):
+                state[name].data = view
+        self.prefetch(k + 1)
+
+    def swap_out(self, k: int) -> None:
+        """Start writing sub-group k back; masters and states become placeholders again."""
+        if not any(self.swapped[b] for b in self.sub_groups[k]):
+            return
+        slot = self._slot(k)
+        for b, views in self._views(slot, k):
+            m = self.masters[b]
+            state = self.optimizer.state.get(m, {})
+            names = self.state_names(b)
+            if len(names) > self.k:
+                raise RuntimeError(f"optimizer keeps {len(names)} per-element states, the swap buffers were "
+                                   f"sized for {self.k}")
+            tensors = [m] + [state[n] for n in names]
+            for t, view in zip(tensors, views):
+                if t.data_ptr() != view.data_ptr():  # states the optimizer just created, or loaded ones
+                    view.copy_(t.detach().reshape(-1))
+            slot.writes.append(self.tier.write(self.tier.region_of(m), views[0]))
+            for name, view in zip(names, views[1:]):
+                slot.writes.append(self.tier.write(self._state_region(b, name), view))
+            m.data = placeholder(m.shape, m.dtype)
+            for name in names:
+                state[name].data = placeholder(m.shape, torch.float32)
+        slot.sub_group, slot.in_use = -1, False  # on their way home; a re-read is needed to use them
+
+    def drain(self) -> None:
+        """Every write finished: the files hold the whole optimizer state."""
+        for slot in self._slots:
+            self._wait(slot.reads)
+            self._wait(slot.writes)
+            slot.sub_group = -1
+
+    # -- outside the step: one bucket at a time ------------------------------------------------
+    def master_value(self, b: int) -> torch.Tensor:
+        """A fresh tensor with bucket b's master values (read from the file)."""
+        self.drain()
+        out = torch.empty(self.masters[b].shape, dtype=torch.float32)
+        self.tier.wait(self.tier.read(self.tier.region_of(self.masters[b]), out))
+        return out
+
+    def state_value(self, b: int, name: str) -> torch.Tensor:
+        self.drain()
+        if name not in self.state_names(b):
+            return self.optimizer.state[self.masters[b]][name]
+        out = torch.empty(self.masters[b].shape, dtype=torch.float32)
+        self.tier.wait(self.tier.read(self._state_region(b, name), out))
+        return out
+
+    @contextlib.contextmanager
+    def resident(self, b: int):
+        """Bucket b's master and states in memory (fresh tensors) for in-place edits, written
+        back on exit."""
+        self.drain()
+        m = self.masters[b]
+        state = self.optimizer.state.get(m, {})
+        names = self.state_names(b)
+        m.data = self.master_value(b)
+        for name in names:
+            state[name].data = self.state_value(b, name)
+        try:
+            yield
+        finally:
+            self.spill(b)
+
+    def spill(self, b: int, states: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Write bucket b's in-memory master (and `states`, or its optimizer states) to the file
+        and leave placeholders; `states` is returned with placeholders in place of what went."""
+        m = self.masters[b]
+        if m.numel() > 0 and m.stride() != (0,) and m.dim() == 1:
+            self.tier.wait(self.tier.write(self.tier.region_of(m), m.detach().contiguous()))
+            m.data = placeholder(m.shape, m.dtype)
+        target = states if states is not None else self.optimizer.state.get(m, {})
+        for name, v in list(target.items()):
+            if (torch.is_tensor(v) and v.dim() > 0 and v.numel() == m.numel() and v.dtype == torch.float32
+                    and v.stride() != (0,)):
+                self.tier.wait(self.tier.write(self._state_region(b, name), v.detach().contiguous().reshape(-1)))
+                if states is not None:
+                    target[name] = placeholder(m.shape, torch.float32)
+                else:
+                    v.data = placeholder(m.shape, torch.float32)
+        return states
+
+    def disk_bytes_needed(self) -> int:
+        """Bytes the tier's file reaches once every state exists."""
+        return sum(self._piece[b] * (1 + self.k) for b, s in enumerate(self.swapped) if s)
+
+    def close(self) -> None:
+        self.drain()
+        self.tier.close()
+
+
+def prepare_disk(tier: NvmeTier, sizes: list[int], build, group_options: list[dict[str, Any]], sharers: int,
+                 policy) -> list[str]:
+    """Before anything is written: the disk space the optimizer's files need (masters and K
+    states of the `sizes` shards, aligned) checked against the free space, the I/O path's
+    self-test, and the start-up lines saying what each knob became."""
+    from zeroshard.offload.nvme import check_space
+
+    k = state_count(build, group_options[0] if group_options else {})
+    need = sum(align_up(n * 4) for n in sizes) * (1 + k)
+    space = check_space(tier.folder, need, sharers)
+    write_gbs, read_gbs = tier.self_test()
+    _, buffers = buffer_plan(policy.buffer_count)
+    lines = [f"nvme tier: {tier.describe()}",
+             f"nvme optimizer files: {len(sizes)} shard(s), master + {k} state(s) each; {space}"
+             + (f"; removed {len(tier.removed_stale)} stale run folder(s)" if tier.removed_stale else ""),
+             f"nvme self-test: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s"
+             + ("" if tier.io.direct else " (buffered: reads may come from the page cache)"),
+             f"nvme swap: {buffers}",
+             "offload_optimizer.pipeline_read/pipeline_write="
+             f"{str(policy.pipeline_read).lower()}/{str(policy.pipeline_write).lower()}: zeroshard reads ahead and "
+             "writes behind whenever the buffers allow (buffer_count decides, not these flags)",
+             f"offload_optimizer.fast_init={str(policy.fast_init).lower()}: no effect; zeroshard never writes "
+             "zero states at start-up (states are created at a sub-group's first step and written then)",
+             f"offload_optimizer.pin_memory={str(policy.pin_memory).lower()}: "
+             + ("swap buffers are page-aligned host memory (no CUDA here to pin for)"
+                if not torch.cuda.is_available() else "swap buffers are page-aligned pageable host memory")]
+    return lines + [f"  {line}" for line in tier.aio_lines]

@@ -1,0 +1,259 @@
+"""ZeRO-Infinity (issue 11): optimizer states (stages 1-3) and parameter shards (stage 3) in
+files under nvme_path, on real gloo ranks and real files.
+
+On this CPU-only machine an NVMe run does the same arithmetic as the run without offload (the
+same fused kernels over the same values), so it must equal it bit for bit, train like one
+process (the oracle), keep its states in the files (overwriting the file changes what the
+optimizer reads back), and hold in host memory no more optimizer bytes than the swap buffers.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from oracle import MICRO, Case, assert_matches, batch, config_for, loss_of, make_model, train_reference
+
+WORLD = 2
+NO_REUSE = (("stage3_max_reuse_distance", 0), ("stage3_param_persistence_threshold", 0))
+
+
+def nvme(path: str, **extra) -> dict:
+    return {"offload_optimizer": {"device": "nvme", "nvme_path": path, **extra}}
+
+
+def nvme_both(path: str) -> dict:
+    return {**nvme(path), "offload_param": {"device": "nvme", "nvme_path": path, "buffer_count": 2,
+                                            "buffer_size": 4096}}
+
+
+# (case, offload builder): each runs with NVMe and without offload; the two must be equal
+CASES = [
+    (Case(stage=1, optimizer="sgd"), lambda p: nvme(p)),
+    (Case(stage=2, optimizer="adamw", gas=2, clip=0.5), lambda p: nvme(p)),
+    (Case(stage=2, optimizer="adamw"), lambda p: nvme(p, buffer_count=1)),  # serial pipeline
+    (Case(stage=3, optimizer="sgd", zero=NO_REUSE), lambda p: nvme(p, buffer_count=2)),
+    (Case(stage=3, optimizer="adamw", zero=NO_REUSE), lambda p: nvme(p)),
+]
+
+
+def _config(case: Case, offload: dict | None, sub_group: int = 1000):
+    cfg = config_for(case, WORLD)
+    cfg["zero_optimization"].update(offload or {})
+    cfg["zero_optimization"]["sub_group_size"] = sub_group  # several sub-groups: the pipeline runs
+    return cfg
+
+
+def _steps(engine, case, rank, world, steps):
+    for step in steps:
+        for m in range(case.gas):
+            x, y = batch(case, step * case.gas + m, world)
+            lo, hi = rank * MICRO, (rank + 1) * MICRO
+            engine.backward(loss_of(engine, x[lo:hi], y[lo:hi]))
+            engine.step()
+
+
+def _evidence(engine) -> dict:
+    """What the files and the ledger say after a step."""
+    opt = engine.optimizer
+    swap = opt._swap
+    resident = 0  # bytes of optimizer tensors with real storage outside the swap buffers
+    for b, m in enumerate(opt.masters):
+        tensors = [m] + [v for v in opt.state.get(m, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+        resident += sum(t.untyped_storage().nbytes() for t in tensors)
+    stats = engine.memory_stats()
+    folder = swap.tier.folder
+    on_disk = os.path.getsize(os.path.join(folder, "shards.bin"))
+    # the files hold the values: overwrite bucket 0's master on disk, the optimizer reads it back
+    before = opt.master_value(0).clone()
+    region = swap.tier.region_of(opt.masters[0])
+    fd = os.open(os.path.join(folder, "shards.bin"), os.O_RDWR)
+    os.pwrite(fd, torch.full_like(before, 7.0).numpy().tobytes(), region.offset)
+    after = opt.master_value(0).clone()
+    os.pwrite(fd, before.numpy().tobytes(), region.offset)  # put it back
+    os.close(fd)
+    return {"resident": resident, "buffers": swap.slots_used * swap.slot_bytes, "slots": swap.slots_used,
+            "sub_groups": len(opt._sub_groups), "stats": stats, "on_disk": on_disk, "folder": folder,
+            "overwritten_reads_7": bool((after == 7.0).all()), "restored": bool(torch.equal(opt.master_value(0), before)),
+            "expected_nvme": sum(m.numel() * 4 for m in opt.masters) * (1 + swap.k)}
+
+
+def _worker(rank, world, root):
+    import zeroshard
+
+    dist.init_process_group("gloo")
+    out = []
+    for i, (case, offload) in enumerate(CASES):
+        path = os.path.join(root, f"case{i}")
+        os.makedirs(path, exist_ok=True)
+        engine = zeroshard.initialize(make_model(case), _config(case, offload(path)))
+        _steps(engine, case, rank, world, range(case.steps))
+        ev = _evidence(engine)
+        got = engine.full_state_dict()
+        engine.close()
+        ev["left_after_close"] = os.path.exists(ev["folder"])
+        plain = zeroshard.initialize(make_model(case), _config(case, None))
+        _steps(plain, case, rank, world, range(case.steps))
+        out.append({"nvme": got, "plain": plain.full_state_dict(), **ev})
+        plain.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("nvme")), timeout=300)
+
+
+def _id(item):
+    case, offload = item
+    return f"z{case.stage}-{case.optimizer}-gas{case.gas}-buffers{offload('x')['offload_optimizer'].get('buffer_count', 4)}"
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[_id(c) for c in CASES])
+def test_nvme_optimizer_trains_like_one_process_and_equals_no_offload(i, results):
+    case, _ = CASES[i]
+    ref = train_reference(case, WORLD)
+    for r in (rank[i] for rank in results):
+        assert r["sub_groups"] > 1
+        assert_matches(case, r["nvme"], ref)
+        for name, value in r["plain"].items():  # same memory, same arithmetic: bit for bit
+            assert torch.equal(r["nvme"][name], value), name
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[_id(c) for c in CASES])
+def test_states_live_in_the_files_and_host_holds_only_the_buffers(i, results):
+    for r in (rank[i] for rank in results):
+        s = r["stats"]
+        assert r["overwritten_reads_7"] and r["restored"]
+        assert s["tier_nvme"] == r["expected_nvme"] and r["on_disk"] >= s["tier_nvme"]
+        assert r["resident"] <= 64 * 1024  # placeholders only: a few bytes per tensor
+        assert s["tier_host"] == r["buffers"]  # the swap buffers, nothing else, on the host
+        assert s["optimizer_states"] == s["tier_nvme"] + r["buffers"]
+        assert not r["left_after_close"]
+
+
+# -- the I/O engine ----------------------------------------------------------------------------
+def _engine(tmp_path, **kw):
+    from zeroshard.offload.aio import AioSettings, IOEngine
+
+    return IOEngine(str(tmp_path), AioSettings(**kw))
+
+
+def test_io_engine_round_trips_and_retries_short_transfers(tmp_path, monkeypatch):
+    from zeroshard.offload.aio import aligned_empty
+
+    io = _engine(tmp_path, block_size=8192, threads=4)
+    assert io.mode.startswith(("O_DIRECT", "buffered"))
+    path = io.open("f.bin")
+    data = aligned_empty(3 * 8192 + 4096, torch.float32)
+    data.copy_(torch.arange(data.numel(), dtype=torch.float32))
+    real_write, real_read = os.pwritev, os.preadv
+    calls = {"w": 0, "r": 0}
+
+    def cut(fd, n):  # a short transfer: one block through O_DIRECT, an odd size otherwise
+        return min(n, 4096 if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0) else 1000)
+
+    def short_write(fd, bufs, offset):  # the kernel may write less than asked
+        calls["w"] += 1
+        view = memoryview(bufs[0]).cast("B")
+        return real_write(fd, [view[: cut(fd, len(view))]], offset)
+
+    def short_read(fd, bufs, offset):
+        calls["r"] += 1
+        view = memoryview(bufs[0]).cast("B")
+        return real_read(fd, [view[: cut(fd, len(view))]], offset)
+
+    monkeypatch.setattr(os, "pwritev", short_write)
+    monkeypatch.setattr(os, "preadv", short_read)
+    io.write(path, data, 4096).wait()
+    back = aligned_empty(data.numel() * 4, torch.float32)
+    io.read(path, back, 4096).wait()
+    assert torch.equal(back, data) and calls["w"] > 4 and calls["r"] > 4
+    odd = torch.arange(777, dtype=torch.float32)  # unaligned buffer and offset: the buffered fd
+    io.write(path, odd, 100).wait()
+    odd_back = torch.empty_like(odd)
+    io.read(path, odd_back, 100).wait()
+    assert torch.equal(odd_back, odd)
+    io.close()
+
+
+def test_disk_full_during_io_is_one_clear_error(tmp_path, monkeypatch):
+    from zeroshard.offload.aio import aligned_empty
+    from zeroshard.policies import NvmeSpaceError
+
+    io = _engine(tmp_path)
+    path = io.open("f.bin")
+
+    def full(fd, bufs, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    with pytest.raises(NvmeSpaceError, match="full.*nvme_path"):
+        io.write(path, aligned_empty(8192), 0).wait()
+    io.close()
+
+
+# -- the run folder: errors, cleanup, stale folders ------------------------------------------
+def test_missing_unwritable_or_too_small_nvme_path_is_one_clear_error(tmp_path):
+    from zeroshard.offload.nvme import NvmeTier, check_space
+    from zeroshard.policies import AioPolicy, NvmeError, NvmeSpaceError
+
+    with pytest.raises(NvmeError, match="does not exist.*mkdir"):
+        NvmeTier(str(tmp_path / "nope"), AioPolicy(), "optimizer")
+    plain_file = tmp_path / "file"
+    plain_file.write_text("x")
+    with pytest.raises(NvmeError, match="not a directory"):
+        NvmeTier(str(plain_file), AioPolicy(), "optimizer")
+    with pytest.raises(NvmeSpaceError, match="GiB free, but this run needs"):
+        check_space(str(tmp_path), 1 << 60, 2)
+    assert "GiB free" in check_space(str(tmp_path), 1 << 20, 2)
+
+
+def test_engine_refuses_a_run_that_does_not_fit_before_writing(tmp_path, monkeypatch):
+    import shutil as sh
+    import zeroshard
+    from zeroshard.policies import NvmeSpaceError
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    real = sh.disk_usage
+    monkeypatch.setattr(sh, "disk_usage", lambda p: real(p)._replace(free=1 << 30))  # 1 GiB: slack only
+    case = Case(stage=2, optimizer="adamw")
+    cfg = {**_config(case, nvme(str(tmp_path))), "train_batch_size": MICRO}
+    with pytest.raises(NvmeSpaceError, match="needs"):
+        zeroshard.initialize(make_model(case), cfg)
+    assert not any(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path) for f in fs
+                   if f == "shards.bin")
+
+
+def test_stale_run_folders_are_removed_and_live_ones_kept(tmp_path):
+    from zeroshard.offload.nvme import NvmeTier
+    from zeroshard.policies import AioPolicy
+
+    stale = tmp_path / "zeroshard-host-999999-r0-optimizer"  # a crashed run: lock file, nobody holds it
+    stale.mkdir()
+    (stale / ".lock").write_text("")
+    (stale / "shards.bin").write_bytes(b"x" * 100)
+    live = tmp_path / "zeroshard-host-1-r1-optimizer"  # another live run on the same path
+    live.mkdir()
+    fd = os.open(live / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    other = tmp_path / "users-data"
+    other.mkdir()
+    tier = NvmeTier(str(tmp_path), AioPolicy(), "optimizer")
+    try:
+        assert not stale.exists() and live.exists() and other.exists()
+        assert str(stale) in tier.removed_stale and os.path.isdir(tier.folder)
+        t = torch.arange(1000, dtype=torch.float32)
+        home = tier.place(t)
+        assert home.untyped_storage().nbytes() == 4 and torch.equal(tier.fetch(home, torch.device("cpu")), t)
+    finally:
+        tier.close()
+        os.close(fd)
+    assert not os.path.exists(tier.folder)
