@@ -102,6 +102,37 @@ def _worker(rank, world, root):
         _steps(plain, case, rank, world, range(case.steps))
         out.append({"nvme": got, "plain": plain.full_state_dict(), **ev})
         plain.close()
+    return {"cases": out, "resume": _save_resume(rank, world, root)}
+
+
+def _save_resume(rank, world, root):
+    """A: stage 3 with NVMe optimizer states, 3 steps, save, 2 more. B: stage 1 without offload
+    loads A's step 3, 2 more. C: stage 2 with NVMe loads B's step 3, 2 more. fp32: all equal."""
+    import zeroshard
+
+    case = Case(stage=3, optimizer="adamw", zero=NO_REUSE)
+    path = os.path.join(root, "resume")
+    os.makedirs(path, exist_ok=True)
+    a = zeroshard.initialize(make_model(case), _config(case, nvme(path)))
+    _steps(a, case, rank, world, range(3))
+    a.save_checkpoint(os.path.join(root, "ckpt-nvme"))
+    _steps(a, case, rank, world, range(3, 5))
+    out = {"a": a.full_state_dict()}
+    a.close()
+    b_case = case.with_(stage=1, zero=())
+    b = zeroshard.initialize(make_model(b_case), _config(b_case, None))
+    b.load_checkpoint(os.path.join(root, "ckpt-nvme"))
+    b.save_checkpoint(os.path.join(root, "ckpt-plain"))
+    _steps(b, case, rank, world, range(3, 5))
+    out["b"] = b.full_state_dict()
+    b.close()
+    c_case = case.with_(stage=2, zero=())
+    c = zeroshard.initialize(make_model(c_case), _config(c_case, nvme(path)))
+    c.load_checkpoint(os.path.join(root, "ckpt-plain"))
+    out["c_loaded_on_disk"] = all(m.stride() == (0,) for m in c.optimizer.masters)  # states went to the files
+    _steps(c, case, rank, world, range(3, 5))
+    out["c"] = c.full_state_dict()
+    c.close()
     return out
 
 
@@ -119,7 +150,7 @@ def _id(item):
 def test_nvme_optimizer_trains_like_one_process_and_equals_no_offload(i, results):
     case, _ = CASES[i]
     ref = train_reference(case, WORLD)
-    for r in (rank[i] for rank in results):
+    for r in (rank["cases"][i] for rank in results):
         assert r["sub_groups"] > 1
         assert_matches(case, r["nvme"], ref)
         for name, value in r["plain"].items():  # same memory, same arithmetic: bit for bit
@@ -128,7 +159,7 @@ def test_nvme_optimizer_trains_like_one_process_and_equals_no_offload(i, results
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[_id(c) for c in CASES])
 def test_states_live_in_the_files_and_host_holds_only_the_buffers(i, results):
-    for r in (rank[i] for rank in results):
+    for r in (rank["cases"][i] for rank in results):
         s = r["stats"]
         assert r["overwritten_reads_7"] and r["restored"]
         assert s["tier_nvme"] == r["expected_nvme"] and r["on_disk"] >= s["tier_nvme"]
@@ -136,6 +167,14 @@ def test_states_live_in_the_files_and_host_holds_only_the_buffers(i, results):
         assert s["tier_host"] == r["buffers"]  # the swap buffers, nothing else, on the host
         assert s["optimizer_states"] == s["tier_nvme"] + r["buffers"]
         assert not r["left_after_close"]
+
+
+def test_checkpoints_of_nvme_runs_resume_exactly_and_reshard_without_nvme(results):
+    for r in (rank["resume"] for rank in results):
+        assert r["c_loaded_on_disk"]
+        for name in r["a"]:
+            assert torch.equal(r["a"][name], r["b"][name]), f"nvme stage 3 -> plain stage 1: {name}"
+            assert torch.equal(r["a"][name], r["c"][name]), f"plain stage 1 -> nvme stage 2: {name}"
 
 
 # -- the I/O engine ----------------------------------------------------------------------------

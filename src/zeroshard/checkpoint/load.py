@@ -110,8 +110,9 @@ def _fill(target: torch.Tensor, bucket, reader: CheckpointReader, field: str) ->
 
 
 def load_masters(reader: CheckpointReader, ts) -> None:
-    for bucket, master in zip(ts.buckets, ts.optimizer.masters):
-        _fill(master, bucket, reader, "value")
+    for b, (bucket, master) in enumerate(zip(ts.buckets, ts.optimizer.masters)):
+        with ts.optimizer.resident(b):  # on the nvme tier: read, filled, written back
+            _fill(master, bucket, reader, "value")
 
 
 def load_frozen_shards(reader: CheckpointReader, ts) -> None:
@@ -136,7 +137,7 @@ def load_optimizer(reader: CheckpointReader, ts) -> None:
     opt = ts.optimizer
     state: dict[int, dict[str, Any]] = {}
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    for bucket, master in zip(ts.buckets, opt.masters):
+    for b, (bucket, master) in enumerate(zip(ts.buckets, opt.masters)):
         per: dict[str, Any] = {}
         for name, kind in kinds.items():
             field = f"optim.{name}"
@@ -150,7 +151,7 @@ def load_optimizer(reader: CheckpointReader, ts) -> None:
                 per[name] = _same_shard(reader, bucket, field, name)
             elif kind == JSON:
                 per[name] = _json_state(reader, bucket, name)
-        state[index[id(master)]] = per
+        state[index[id(master)]] = opt.spill_states(b, per)  # nvme: to the file now, one bucket in memory
     groups = []
     for group, saved in zip(opt.param_groups, reader.meta["optimizer"]["param_groups"]):
         restored = {k: type(group[k])(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()}

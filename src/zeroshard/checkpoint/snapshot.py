@@ -125,7 +125,9 @@ def rank_file(ts, table: NameTable, pause: Callable[[str], None]) -> RankFile:
         if bucket.shard_index != ts.rank:  # the lowest rank holding a shard writes it
             continue
         shards.append([b, bucket.shard_index])
-        entries.append(_entry(bucket_key(b, "master"), master))
+        # values come through the optimizer: on the nvme tier each is read from its file when
+        # the writer reaches it (one shard's tensor in memory at a time)
+        entries.append(_lazy_entry(bucket_key(b, "master"), master, lambda b=b: opt.master_value(b)))
         state = opt.state.get(master, {})
         for name, kind in kinds.items():
             if name not in state:
@@ -133,7 +135,8 @@ def rank_file(ts, table: NameTable, pause: Callable[[str], None]) -> RankFile:
             if kind == JSON:
                 json_states.setdefault(f"bucket{b}", {})[name] = json_safe(state[name], f"optimizer state {name!r}")
             else:
-                optim_entries.append(_entry(bucket_key(b, f"optim.{name}"), state[name]))
+                optim_entries.append(_lazy_entry(bucket_key(b, f"optim.{name}"), state[name],
+                                                 lambda b=b, name=name: opt.state_value(b, name)))
     for f, bucket in enumerate(frozen):  # stage 3: the at-rest shard, in the compute dtype
         if bucket.shard_index != ts.rank:
             continue
@@ -153,6 +156,12 @@ def _entry(key: str, t: torch.Tensor) -> Entry:
     flat = t.dim() > 0 and key.startswith("bucket")
     shape = (t.numel(),) if flat else tuple(t.shape)
     return Entry(key, shape, t.dtype, (lambda: t.reshape(-1)) if flat else (lambda: t))
+
+
+def _lazy_entry(key: str, like: torch.Tensor, value: Callable[[], torch.Tensor]) -> Entry:
+    """An entry shaped like `like` whose tensor `value()` gives only when it is written."""
+    e = _entry(key, like)
+    return Entry(e.key, e.shape, e.dtype, lambda: _entry(key, value()).produce())
 
 
 def _paused(e: Entry, pause: Callable[[str], None]) -> Entry:
