@@ -43,6 +43,7 @@ from zeroshard.optim.template import OptimizerArg, plan_optimizer
 from zeroshard.partition import MemoryLedger
 from zeroshard.policies import ConfigError, Settings, Stage
 from zeroshard.stages.stage3_assembly import build_stage3, make_runtime
+from zeroshard.stages.strategy import step_during_backward
 from zeroshard.stages.train_state import TrainState
 from zeroshard.stages import ParamPublisher, PartitionedParams, ReplicatedParams, build_gradients, shard_count_for
 
@@ -96,6 +97,7 @@ class Engine:
         self.optimizer = ShardedOptimizer(self.buckets, masters, self.plan.build, self.plan.group_options,
                                           self.memory, sub_group, tiers, zero.offload_optimizer.buffer_count)
         self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
+        self.step_early, self.step_mode = step_during_backward(settings, self.optimizer.can_step_early)
         self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)
 
         self.train_state = TrainState(self.module, settings, self.comm, self.buckets, self.frozen_buckets,
@@ -182,7 +184,11 @@ class Engine:
         self.comm.where = f"step {self.global_steps}, backward (micro-step {self.micro_steps})"
         gas = self.settings.batch.gradient_accumulation_steps
         started = time.perf_counter()
-        self.grads.begin_backward(self.is_gradient_accumulation_boundary(), self.micro_steps % gas == 0)
+        boundary = self.is_gradient_accumulation_boundary()
+        self.grads.begin_backward(boundary, self.micro_steps % gas == 0)
+        self.grads.on_final = self._step_ready if self.step_early and boundary else None
+        if self.grads.on_final is not None:
+            self.optimizer.forget_early()
         self.params.begin_backward()
         scale = self.loss_scaler.scale / gas
         try:
@@ -192,6 +198,10 @@ class Engine:
             self.params.end_backward()
         self._timers["backward"] += time.perf_counter() - started
         return loss
+
+    def _step_ready(self, b: int) -> None:
+        """Bucket b's reduced gradient is final (during backward): step its sub-group if ready."""
+        self.optimizer.step_ready(b, self.grads.grad_shard, 1.0, self.params.publish)
 
     def step(self) -> None:
         """At the accumulation boundary: clip, step the sharded optimizer, publish parameters."""
@@ -204,6 +214,11 @@ class Engine:
         raw = self._raw_grad_norm()
         overflow = raw is not None and not math.isfinite(raw)
         self._grad_norm = raw / loss_scale if raw is not None else None
+        if overflow and self.grads.on_final is not None:  # sub-groups already stepped in backward
+            log.warning("step %d: gradient norm is %s; the optimizer steps during backward, so this "
+                        "step is applied, not skipped (set zeroshard.step_during_backward=false to skip "
+                        "steps with non-finite gradients)", self.global_steps, raw)
+            overflow = False
         if overflow:
             self.skipped_steps += 1
             log.warning("step %d skipped: gradient norm is %s at loss scale %g (%d skipped so far); "
@@ -296,9 +311,12 @@ class Engine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     # -- ledgers ------------------------------------------------------------------------------
-    def comm_stats(self) -> dict[str, dict[str, float | int]]:
-        """Per collective: calls, elements (full logical tensor), bytes, sent_bytes, seconds."""
-        return self.comm.ledger.stats()
+    def comm_stats(self, by_scope: bool = False) -> dict:
+        """Per collective: calls, elements (full logical tensor), bytes (as sent: quantized
+        payload + scales where quantized), sent_bytes, seconds. With `by_scope`, the same per
+        scope: {"intra_node": {op: ...}, "inter_node": {op: ...}}; a call on a group whose
+        ranks all live on one node (LOCAL_WORLD_SIZE consecutive ranks) is intra-node."""
+        return self.comm.ledger.stats(by_scope=by_scope)
 
     def reset_comm_stats(self) -> None:
         self.comm.ledger.reset()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import datetime
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.ledger import CommLedger, OpTotals
-from zeroshard.comm.topology import Topology
+from zeroshard.comm.ledger import CommLedger
+from zeroshard.comm.topology import Group, Topology
 from zeroshard.policies import CommError, CommTimeoutError
 
 _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -24,21 +25,29 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 class Handle:
-    """An issued collective. `wait()` blocks until it is done (or raises a CommError)."""
+    """An issued collective. `wait()` blocks until it is done (or raises a CommError), then
+    runs `finish` (a quantized or hierarchical collective dequantizes, reduces or issues its
+    next hop there) before the result is handed back."""
 
-    def __init__(self, comm: "Comm", work, what: str, totals: OpTotals, started: float) -> None:
-        self._comm, self._work, self._what = comm, work, what
-        self._totals, self._started, self._done = totals, started, work is None
+    def __init__(self, comm: "Comm", work, what: str, totals, started: float,
+                 finish: Callable[[], None] | None = None) -> None:
+        works = work if isinstance(work, (list, tuple)) else ([] if work is None else [work])
+        self._comm, self._works, self._what, self._finish = comm, works, what, finish
+        self._totals, self._started, self._done = totals, started, False
 
     def wait(self) -> None:
         if self._done:
             return
         self._done = True
         try:
-            self._work.wait(timeout=datetime.timedelta(seconds=self._comm.timeout_s))
+            for work in self._works:
+                work.wait(timeout=datetime.timedelta(seconds=self._comm.timeout_s))
         except Exception as exc:  # the backend's own error types vary by version and backend
             raise self._comm.failure(self._what, exc) from None
-        self._totals.seconds += time.perf_counter() - self._started
+        if self._works:
+            self._totals.add_seconds(time.perf_counter() - self._started)
+        if self._finish is not None:
+            self._finish()
 
     @property
     def done(self) -> bool:
@@ -46,25 +55,50 @@ class Handle:
 
 
 class Comm:
-    """Plain collectives over the default group. Quantized or hierarchical variants subclass it."""
+    """Plain collectives on one group (the world unless `on(group)` made it). Quantized and
+    hierarchical collectives (comm.zeropp) offer the same calls and return the same Handle."""
 
-    def __init__(self, topology: Topology, ledger: CommLedger, timeout_s: float) -> None:
+    def __init__(self, topology: Topology, ledger: CommLedger, timeout_s: float,
+                 group: Group | None = None, root: "Comm | None" = None) -> None:
         self.topology = topology
         self.ledger = ledger
         self.timeout_s = timeout_s
-        self.where = "start-up"  # set by the engine: "step 12, backward", ...
+        self.on_group = group if group is not None else topology.world
+        self._root = root
+        self._where = "start-up"  # set by the engine: "step 12, backward", ...
+
+    @property
+    def where(self) -> str:
+        return self._root.where if self._root is not None else self._where
+
+    @where.setter
+    def where(self, value: str) -> None:
+        if self._root is not None:
+            self._root.where = value
+        else:
+            self._where = value
+
+    def on(self, group: Group) -> "Comm":
+        """The same collectives, ledger and timeout on `group`."""
+        return Comm(self.topology, self.ledger, self.timeout_s, group, root=self._root or self)
 
     @property
     def world_size(self) -> int:
-        return self.topology.world_size
+        """Ranks in this comm's group (the world size for the engine's comm)."""
+        return self.on_group.size
 
     @property
     def group(self):
-        return self.topology.group
+        return self.on_group.handle
 
     @property
     def rank(self) -> int:
-        return self.topology.rank
+        """This rank's index in the group (its global rank for the engine's comm)."""
+        return self.on_group.rank
+
+    @property
+    def scope(self) -> str:
+        return self.on_group.scope
 
     def failure(self, what: str, exc: BaseException) -> CommError:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -73,23 +107,29 @@ class Comm:
         hint = (
             f"did not finish within {self.timeout_s:g}s" if timed_out else "failed"
         )
+        on = "" if self.on_group.name == "world" else f" on the {self.on_group.name} group {list(self.on_group.ranks)}"
         return cls(
-            f"rank {self.rank}/{self.world_size}: {what} during {self.where} {hint} ({text}). "
+            f"rank {self.topology.rank}/{self.topology.world_size}: {what}{on} during {self.where} {hint} ({text}). "
             "A peer rank has died, is stuck, or issued a different collective; check the other "
             "ranks' errors. Raise `zeroshard.comm_timeout_s` only if the peers are merely slow."
         )
 
-    def _issue(self, op: str, tensor: torch.Tensor, elements: int, what: str, call) -> Handle:
-        totals = self.ledger.record(op, tensor.dtype, elements)
-        label = f"{op} of {elements} {str(tensor.dtype).replace('torch.', '')} elements ({what})"
+    def _issue(self, op: str, tensor: torch.Tensor, elements: int, what: str, call,
+               wire_bytes: int | None = None, finish: Callable[[], None] | None = None,
+               dtype_name: str | None = None) -> Handle:
+        """Record and launch one collective. `call` returns the backend's work (or a list of
+        them: a quantized collective moves payload and scales); `finish` runs after the wait."""
+        totals = self.ledger.record(op, tensor.dtype, elements, self.world_size, self.scope, wire_bytes)
+        dtype = dtype_name or str(tensor.dtype).replace('torch.', '')
+        label = f"{op} of {elements} {dtype} elements ({what})"
         started = time.perf_counter()
-        if not self.topology.distributed:
-            return Handle(self, None, label, totals, started)
+        if not self.topology.distributed or self.world_size == 1:
+            return Handle(self, None, label, totals, started, finish)
         try:
             work = call()
         except Exception as exc:
             raise self.failure(label, exc) from None
-        return Handle(self, work, label, totals, started)
+        return Handle(self, work, label, totals, started, finish)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "") -> Handle:
         return self._issue("all_reduce", tensor, tensor.numel(), what,
@@ -100,15 +140,32 @@ class Comm:
 
         `output` may be rank r's chunk of `input` itself (in place)."""
         self._check_sizes("reduce_scatter", input, output)
-        if not self.topology.distributed and output.data_ptr() != input.data_ptr():
+        if self.world_size == 1 and output.data_ptr() != input.data_ptr():
             output.copy_(input.view(-1)[: output.numel()].view_as(output))
+        if self.world_size > 1 and self.topology.backend == "gloo" and input.device.type == "cpu":
+            return self._reduce_scatter_by_all_to_all(output, input, what)
         return self._issue("reduce_scatter", input, input.numel(), what,
                            lambda: _RS(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+
+    def _reduce_scatter_by_all_to_all(self, output: torch.Tensor, input: torch.Tensor, what: str) -> Handle:
+        """gloo has no reduce-scatter of its own: torch's gloo `reduce_scatter_tensor` clones
+        the whole input on the calling thread, all-reduces the clone (twice a reduce-scatter's
+        bytes) and copies one chunk out. Here every rank sends chunk j of `input` to rank j
+        (an all-to-all: (N-1)/N of the tensor, what the ledger counts) and the wait sums the N
+        chunks it received. Same result, half the bytes, no blocking copy at the call."""
+        received = torch.empty_like(input)
+
+        def finish() -> None:
+            torch.sum(received.view(self.world_size, -1), dim=0, out=output.view(-1))
+
+        return self._issue("reduce_scatter", input, input.numel(), what,
+                           lambda: dist.all_to_all_single(received, input, group=self.group, async_op=True),
+                           finish=finish)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be rank r's chunk of it."""
         self._check_sizes("all_gather", output, input)
-        if not self.topology.distributed and output.data_ptr() != input.data_ptr():
+        if self.world_size == 1 and output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return self._issue("all_gather", output, output.numel(), what,
                            lambda: _AG(output, input, group=self.group, async_op=True))
@@ -118,7 +175,7 @@ class Comm:
                            lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
-        if not self.topology.distributed:
+        if self.world_size == 1:
             output.copy_(input)
         return self._issue("all_to_all", input, input.numel(), what,
                            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True))

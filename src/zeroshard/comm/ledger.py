@@ -4,6 +4,12 @@
 counts); `sent_bytes` is what this rank puts on the wire for a ring algorithm:
 all-reduce 2(N-1)/N, reduce-scatter, all-gather and all-to-all (N-1)/N of the full
 tensor, broadcast the whole tensor (a pipelined chain forwards it once per rank).
+
+`bytes` is the full tensor as it travels: for a quantized collective the int8 / int4
+payload plus its fp32 scales (`wire_bytes`), not dtype x elements. Each call is also
+counted under its scope: "intra_node" when every rank of its group lives on one node,
+else "inter_node" (`stats(by_scope=True)`). A hierarchical collective records each hop
+as its own call, on its own group.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from zeroshard.comm.topology import INTER_NODE, SCOPES
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
@@ -42,6 +50,17 @@ class OpTotals:
                 "sent_bytes": self.sent_bytes, "seconds": self.seconds}
 
 
+class _Both:
+    """The overall and the per-scope entry of one call: time is added to both."""
+
+    def __init__(self, entries: tuple[OpTotals, OpTotals]) -> None:
+        self._entries = entries
+
+    def add_seconds(self, seconds: float) -> None:
+        for t in self._entries:
+            t.seconds += seconds
+
+
 class CommLedger:
     """Cumulative totals per collective since the last `reset()`."""
 
@@ -49,21 +68,32 @@ class CommLedger:
         self.world_size = world_size
         self._totals = {op: OpTotals() for op in COLLECTIVES}
 
-    def record(self, op: str, dtype: torch.dtype, elements: int, world_size: int | None = None) -> OpTotals:
-        """Count one call; returns the totals entry so the caller can add its time later."""
+        self._scoped = {scope: {op: OpTotals() for op in COLLECTIVES} for scope in SCOPES}
+
+    def record(self, op: str, dtype: torch.dtype, elements: int, world_size: int | None = None,
+               scope: str = INTER_NODE, wire_bytes: int | None = None) -> "_Both":
+        """Count one call of `elements` logical elements on a group of `world_size` ranks
+        (`wire_bytes`: what the whole tensor weighs on the wire, if not dtype x elements).
+        Returns the entries so the caller can add its time later."""
         n = self.world_size if world_size is None else world_size
-        nbytes = elements * torch.empty((), dtype=dtype).element_size()
-        t = self._totals[op]
-        t.calls += 1
-        t.elements += elements
-        t.bytes += nbytes
-        t.sent_bytes += ring_sent_bytes(op, nbytes, n)
-        return t
+        nbytes = elements * torch.empty((), dtype=dtype).element_size() if wire_bytes is None else wire_bytes
+        entries = (self._totals[op], self._scoped[scope][op])
+        for t in entries:
+            t.calls += 1
+            t.elements += elements
+            t.bytes += nbytes
+            t.sent_bytes += ring_sent_bytes(op, nbytes, n)
+        return _Both(entries)
 
     def reset(self) -> None:
         self._totals = {op: OpTotals() for op in COLLECTIVES}
+        self._scoped = {scope: {op: OpTotals() for op in COLLECTIVES} for scope in SCOPES}
 
-    def stats(self) -> dict[str, dict[str, float | int]]:
+    def stats(self, by_scope: bool = False) -> dict:
+        """{op: {calls, elements, bytes, sent_bytes, seconds}}; with `by_scope`,
+        {"intra_node": {op: ...}, "inter_node": {op: ...}} with the same fields."""
+        if by_scope:
+            return {scope: {op: t.as_dict() for op, t in ops.items()} for scope, ops in self._scoped.items()}
         return {op: t.as_dict() for op, t in self._totals.items()}
 
     def paper_elements(self) -> int:

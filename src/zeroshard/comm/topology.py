@@ -11,15 +11,47 @@ import atexit
 import datetime
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.policies import CommError
+from zeroshard.policies import CommError, ConfigError
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
+SCOPES = (INTRA_NODE, INTER_NODE)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of ranks zeroshard runs collectives on. `handle` is the process group (None: the
+    default group); `rank` is this rank's index in `ranks`; `scope` says whether every rank
+    of the group lives on one node (intra_node) or not (inter_node)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int
+    scope: str
+    handle: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """The groups ZeRO++ runs on, this rank's member of each: `intra` (this node's ranks),
+    `inter` (the ranks of every node with this local rank), `hpz` (this rank's
+    zero_hpz_partition_size consecutive ranks within the node)."""
+
+    intra: Group
+    inter: Group
+    hpz: Group
 
 
 @dataclass(frozen=True)
@@ -36,25 +68,102 @@ class Topology:
     # stuck peer is reported within it even where the backend blocks inside the call (gloo's
     # reduce-scatter), whatever timeout the user's own group has (30 minutes by default)
     group: Any = None
+    _hierarchies: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def distributed(self) -> bool:
         return self.backend != "none"
 
+    # -- nodes: torchrun's LOCAL_WORLD_SIZE consecutive ranks ---------------------------------
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+    def scope_of(self, ranks) -> str:
+        return INTRA_NODE if len({self.node_of(r) for r in ranks}) <= 1 else INTER_NODE
+
+    @property
+    def world(self) -> Group:
+        """All ranks, on `group` (the default group or the one made with comm_timeout_s)."""
+        ranks = tuple(range(self.world_size))
+        return Group("world", ranks, self.rank, self.scope_of(ranks), self.group)
+
+    def hierarchy(self, hpz_size: int, timeout_s: float) -> Hierarchy:
+        """The intra-node, inter-node and hpZ groups, made once per topology (a collective:
+        every rank calls it at the same point with the same `hpz_size`)."""
+        if hpz_size in self._hierarchies:
+            return self._hierarchies[hpz_size]
+        lws, world = self.local_world_size, self.world_size
+        if world % lws:
+            raise ConfigError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={lws}: zeroshard's "
+                              "node groups need the same number of ranks on every node; launch with torchrun "
+                              "--nproc-per-node set alike on every node")
+        if hpz_size < 1 or lws % hpz_size:
+            raise ConfigError(f"zero_optimization.zero_hpz_partition_size = {hpz_size} does not divide the "
+                              f"{lws} ranks per node (LOCAL_WORLD_SIZE); the secondary partition must stay inside "
+                              f"a node: use 1 or a divisor of {lws}")
+        group_rank = os.environ.get("GROUP_RANK")
+        if group_rank is not None and group_rank.isdigit() and int(group_rank) != self.node:
+            raise ConfigError(f"rank {self.rank}: GROUP_RANK={group_rank} but RANK // LOCAL_WORLD_SIZE = "
+                              f"{self.node}: zeroshard takes a node to be LOCAL_WORLD_SIZE consecutive ranks, "
+                              "as torchrun assigns them; launch with torchrun")
+        node_sets = [tuple(range(m * lws, (m + 1) * lws)) for m in range(world // lws)]
+        rail_sets = [tuple(range(l, world, lws)) for l in range(lws)]
+        hpz_sets = [tuple(range(g * hpz_size, (g + 1) * hpz_size)) for g in range(world // hpz_size)]
+        made: dict[tuple[int, ...], Any] = {}
+
+        def member(name: str, sets: list[tuple[int, ...]]) -> Group:
+            mine = None
+            for ranks in sets:  # every rank creates every group, in the same order
+                if ranks not in made:
+                    made[ranks] = self._new_group(ranks, timeout_s)
+                if self.rank in ranks:
+                    mine = ranks
+            assert mine is not None
+            return Group(name, mine, mine.index(self.rank), self.scope_of(mine), made[mine])
+
+        out = Hierarchy(member("intra_node", node_sets), member("inter_node", rail_sets),
+                        member("hpz", hpz_sets))
+        self._hierarchies[hpz_size] = out
+        return out
+
+    def _new_group(self, ranks: tuple[int, ...], timeout_s: float):
+        if not self.distributed or len(ranks) == self.world_size:
+            return self.group  # the whole world: the group zeroshard already runs on
+        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+        _own_groups.append(group)
+        return group
+
     def destroy(self) -> None:
         """Destroy the default group, but only if this topology created it; else only the
         group of its own that it made."""
         if self.owns_group and dist.is_initialized():
+            for h in self._hierarchies.values():  # destroyed with the default group below
+                for g in (h.intra, h.inter, h.hpz):
+                    if g.handle in _own_groups:
+                        _own_groups.remove(g.handle)
+            self._hierarchies.clear()
             dist.destroy_process_group()
             _created.clear()
         else:
             self.release_group()
 
     def release_group(self) -> None:
-        """Destroy the group this topology made for itself on a user's default group."""
-        if self.group is not None and dist.is_initialized() and self.group in _own_groups:
-            _own_groups.remove(self.group)
-            dist.destroy_process_group(self.group)
+        """Destroy the groups this topology made for itself (its own world group on a user's
+        default group, and the node / hpZ groups)."""
+        groups = [g.handle for h in self._hierarchies.values() for g in (h.intra, h.inter, h.hpz)]
+        self._hierarchies.clear()
+        for group in [*groups, self.group]:
+            if group is not None and dist.is_initialized() and group in _own_groups:
+                _own_groups.remove(group)
+                dist.destroy_process_group(group)
 
 
 _created: list[bool] = []  # non-empty while a group zeroshard created is alive

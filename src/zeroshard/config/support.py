@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Callable
 
-from zeroshard.policies import NotSupportedYetError
+from zeroshard.policies import ConfigError, NotSupportedYetError
 
 if TYPE_CHECKING:
     from zeroshard.config.schema import RootConfig
@@ -105,12 +105,6 @@ GAPS: tuple[Gap, ...] = (
     Gap(_Z + "offload_optimizer.device", lambda c: _nvme(c.zero.offload_optimizer), '"cpu" or "none"', ZERO_STAGES,
         built=True),  # the NVMe tier (issue 11)
     Gap(_Z + "offload_param.device", lambda c: _nvme(c.zero.offload_param), '"cpu" or "none"', STAGE3),
-    Gap(_Z + "zero_quantized_weights", lambda c: _when(c.zero.zero_quantized_weights), "false", STAGE3),
-    Gap(_Z + "zero_quantized_gradients", lambda c: _when(c.zero.zero_quantized_gradients), "false", STAGE3),
-    Gap(_Z + "zero_quantized_nontrainable_weights",
-        lambda c: _when(c.zero.zero_quantized_nontrainable_weights), "false", STAGE3),
-    Gap(_Z + "zero_hpz_partition_size",
-        lambda c: _when(c.zero.zero_hpz_partition_size > 1, c.zero.zero_hpz_partition_size), "1", STAGE3),
     Gap(_Z + "zenflow", lambda c: _when(c.zero.zenflow is not None, "{...}"), "nothing (remove the block)",
         ZERO_STAGES),
     Gap("fp16.auto_cast", lambda c: _when(bool(_fp16(c) and c.fp16.auto_cast)), "false"),
@@ -158,6 +152,16 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
+def _zeropp_in_use(c: "RootConfig") -> list[str]:
+    """The ZeRO++ keys set to a value that turns something on."""
+    z = c.zero
+    on = [(z.zero_quantized_weights, "zero_quantized_weights = true"),
+          (z.zero_quantized_nontrainable_weights, "zero_quantized_nontrainable_weights = true"),
+          (z.zero_quantized_gradients, "zero_quantized_gradients = true"),
+          (z.zero_hpz_partition_size > 1, f"zero_hpz_partition_size = {z.zero_hpz_partition_size}")]
+    return [_Z + text for hit, text in on if hit]
+
+
 def check_support(config: "RootConfig") -> list[str]:
     """Raise NotSupportedYetError for every unbuilt feature in use; return "ignored at stage" notes."""
     stage = config.stage
@@ -174,6 +178,11 @@ def check_support(config: "RootConfig") -> list[str]:
                       f"remove it or set it to {gap.fix}")
     if errors:
         raise NotSupportedYetError("\n".join(errors))
+    zeropp = _zeropp_in_use(config)
+    if zeropp and stage != 3:
+        raise ConfigError(
+            f"{', '.join(zeropp)}: ZeRO++ (qwZ, hpZ, qgZ) works on stage 3's parameter gathers and gradient "
+            f"reduce-scatter, but zero_optimization.stage is {stage}; set stage 3, or remove these keys")
     for name, lowest in (("offload_optimizer", 1), ("offload_param", 3)):  # host offload is built
         device = _device(getattr(config.zero, name))
         if device and stage < lowest and f"{_Z}{name}." not in " ".join(ignored):

@@ -25,6 +25,7 @@ class UnitBucket(FlatBucket):
         self._shard: torch.Tensor | None = None
         self._dtype, self._device = self.data.dtype, self.data.device
         self._home = None  # a tier (zeroshard.offload) holding the shard, when not the device
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's slice within its hpZ group
 
     @property
     def label(self) -> str:
@@ -80,6 +81,17 @@ class UnitBucket(FlatBucket):
             param.data = view
         self.data = full
         self.memory.release("comm_buffers", f"{self.key}.fetch")
+
+    def keep_secondary(self, full: torch.Tensor, index: int, parts: int) -> None:
+        """hpZ: keep slice `index` of `parts` of the gathered `full` buffer (the secondary
+        partition, served to the hpZ group's backward gather), counted as parameters."""
+        size = self.layout.padded_numel // parts
+        self.secondary = full[index * size : (index + 1) * size].clone()
+        self.memory.hold("params", f"{self.key}.secondary", self.secondary.numel() * self.secondary.element_size())
+
+    def drop_secondary(self) -> None:
+        self.secondary = None
+        self.memory.release("params", f"{self.key}.secondary")
 
     def release(self) -> None:
         nan = torch.full((), float("nan") if self._dtype.is_floating_point else 0,

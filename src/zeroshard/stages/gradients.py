@@ -45,6 +45,7 @@ class _Pending:
 @dataclass
 class _MicroState:
     reduce: bool = False  # does this micro-step reduce gradients?
+    boundary: bool = False  # the last micro-step of an accumulation window
     first: bool = True  # first micro-step of an accumulation window
     ready: list[set[int]] = field(default_factory=list)
     launched: list[bool] = field(default_factory=list)
@@ -62,6 +63,9 @@ class BucketedGradients:
         self.reduce_dtype, self.overlap, self.ignore_unused = reduce_dtype, overlap, ignore_unused
         self._state = _MicroState()
         self._pending: list[_Pending] = []
+        # called with bucket b once its gradient shard is final (at the accumulation boundary,
+        # after its reduction landed): the engine steps the optimizer there, during backward
+        self.on_final: Callable[[int], None] | None = None
         self._hooks = Hooks()
         for b, bucket in enumerate(buckets):
             for s, p in enumerate(bucket.params):
@@ -70,7 +74,7 @@ class BucketedGradients:
     # -- engine-facing lifecycle --------------------------------------------------
     def begin_backward(self, boundary: bool, first_micro: bool) -> None:
         self._state = _MicroState(
-            reduce=self._reduces(boundary), first=first_micro,
+            reduce=self._reduces(boundary), boundary=boundary, first=first_micro,
             ready=[set() for _ in self.buckets], launched=[False] * len(self.buckets),
         )
 
@@ -140,6 +144,8 @@ class BucketedGradients:
     def _retire(self, pending: _Pending) -> None:
         pending.handle.wait()
         pending.finish()
+        if self._state.boundary and self.on_final is not None:
+            self.on_final(pending.bucket)
 
     # -- what subclasses decide -------------------------------------------------------
     def _reduces(self, boundary: bool) -> bool:
@@ -247,6 +253,7 @@ class _Scatter:
     whole bucket instead, as DeepSpeed does, and keeps the owned slice: 2x the volume."""
 
     use_all_reduce = False
+    reducer = None  # a collective with Comm's reduce_scatter (ZeRO++ qgZ); None: the comm's own
     buckets: list[FlatBucket]
     comm: Comm
 
@@ -255,7 +262,8 @@ class _Scatter:
         if self.use_all_reduce:
             handle = self.comm.all_reduce(wire, what=f"gradients of {self.buckets[b].label}")
         else:
-            handle = self.comm.reduce_scatter(wire[lo:hi], wire, what=f"gradients of {self.buckets[b].label}")
+            handle = (self.reducer or self.comm).reduce_scatter(wire[lo:hi], wire,
+                                                                what=f"gradients of {self.buckets[b].label}")
         return handle, lambda w, full: full[lo:hi].copy_(w[lo:hi])
 
 
@@ -278,8 +286,9 @@ class PartitionedGradients(_Scatter, BucketedGradients):
     complete), and every micro-step reduces, so nothing full is kept across micro-steps."""
 
     def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False,
-                 max_in_flight: int = MAX_IN_FLIGHT, **kwargs) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, reducer=None, **kwargs) -> None:
         self.contiguous, self.use_all_reduce, self.max_in_flight = contiguous, use_all_reduce, max_in_flight
+        self.reducer = reducer
         super().__init__(*args, **kwargs)
         self.shards = []
         for bucket in self.buckets:

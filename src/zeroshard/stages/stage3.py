@@ -15,6 +15,10 @@ its active users. Hooks are registered here and only here, and their handles kep
 - order: the first step records the sequence of gathers; later steps prefetch along it.
   A step whose sequence differs (control flow changed) stops prefetching for the rest
   of the step, and its sequence becomes the new record. Every rank does the same.
+- ZeRO++ (`Stage3Collectives`): the forward gather may be qwZ (int8); with hpZ each bucket
+  keeps, from its first gather of a pass, the slice of the full parameters its rank holds in
+  its hpZ group (the secondary partition, inside the node), and backward gathers from those
+  secondaries within the group; they are dropped when the pass ends (never stale after a step).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from typing import Any
 
 from zeroshard.comm import Comm, Handle
 from zeroshard.partition import MemoryLedger
@@ -84,10 +90,29 @@ class Unit:
         self.state = to
 
 
+@dataclass(frozen=True)
+class Stage3Collectives:
+    """What gathers a unit's bucket: `forward` / `backward` for trainable buckets, `*_frozen`
+    for frozen ones (each a Comm or a collective with the same `all_gather`, e.g. qwZ's), and
+    `hpz`, the comm of this rank's hpZ group (None without hpZ)."""
+
+    forward: Any
+    backward: Any
+    forward_frozen: Any
+    backward_frozen: Any
+    hpz: Comm | None = None
+
+    @staticmethod
+    def plain(comm: Comm) -> "Stage3Collectives":
+        return Stage3Collectives(comm, comm, comm, comm)
+
+
 class Stage3Runtime:
     def __init__(self, units: list[Unit], comm: Comm, memory: MemoryLedger, policy: Stage3Policy,
-                 external_users: dict[int, list[nn.Module]]) -> None:
+                 external_users: dict[int, list[nn.Module]],
+                 collectives: Stage3Collectives | None = None) -> None:
         self.units, self.comm, self.memory, self.policy = units, comm, memory, policy
+        self.collectives = collectives or Stage3Collectives.plain(comm)
         self.phase = Phase.IDLE
         self._trace: list[int] = []  # recorded gather order of a whole step
         self._recording: list[int] = []
@@ -133,6 +158,10 @@ class Stage3Runtime:
     def _finish_pass(self, record: bool) -> None:
         self._pinned.clear()
         self.release_all()
+        if self.collectives.hpz is not None:
+            for unit in self.units:
+                for bucket in unit.buckets:
+                    bucket.drop_secondary()
         if record and self._recording and self._recording != self._trace:
             if self._trace:
                 log.info("stage 3: execution order changed; re-recorded (%d gathers)", len(self._recording))
@@ -156,9 +185,12 @@ class Stage3Runtime:
             self._make_room(unit.numel)
             self._start(unit)
         if unit.state is UnitState.GATHERING:
+            hpz = self.collectives.hpz
             for bucket, full, handle in unit.pending:
                 handle.wait()
                 bucket.bind(full)
+                if hpz is not None and bucket.secondary is None:
+                    bucket.keep_secondary(full, hpz.rank, hpz.world_size)
             unit.pending = []
             unit.move(UnitState.GATHERED)
 
@@ -166,8 +198,20 @@ class Stage3Runtime:
         what = f"unit '{unit.label}' ({self.phase.value})"
         for bucket in unit.buckets:
             full = bucket.new_full()
-            unit.pending.append((bucket, full, self.comm.all_gather(full, bucket.gather_input(), what=what)))
+            unit.pending.append((bucket, full, self._gather_into(full, bucket, what)))
         unit.move(UnitState.GATHERING)
+
+    def _gather_into(self, full: torch.Tensor, bucket: UnitBucket, what: str) -> Handle:
+        c = self.collectives
+        # hpZ: any later gather of this pass (backward, a prefetch for backward issued at the end
+        # of forward, a reused unit) comes from the secondaries, inside the node
+        if c.hpz is not None and bucket.secondary is not None:
+            return c.hpz.all_gather(full, bucket.secondary, what=what + " [hpZ secondary]")
+        backward = self.phase is Phase.BACKWARD
+        trainable = bucket.params[0].requires_grad
+        collective = (c.backward if trainable else c.backward_frozen) if backward else \
+            (c.forward if trainable else c.forward_frozen)
+        return collective.all_gather(full, bucket.gather_input(), what=what)
 
     def _release(self, unit: Unit) -> None:
         if unit.state is UnitState.RELEASED or unit.index in self._pinned:

@@ -13,12 +13,12 @@ from torch import nn
 
 from zeroshard.stages.assembly import ALIGN_BYTES, ModelParts, broadcast_model, take_masters_and_cast
 from zeroshard.partition.param_shards import forget, materialize
-from zeroshard.comm import Comm
+from zeroshard.comm import Comm, QuantizedAllGather
 from zeroshard.offload import make_tier
 from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import ConfigError, OffloadDevice, Settings
-from zeroshard.stages.stage3 import Stage3Runtime, Unit
+from zeroshard.stages.stage3 import Stage3Collectives, Stage3Runtime, Unit
 from zeroshard.stages.units import plan_stage3
 
 WHOLE_UNIT = 2**62  # a unit's parameters of one dtype and group form one bucket
@@ -132,4 +132,22 @@ def _place_rest(model: nn.Module, in_buckets: set[int], comm: Comm, device: torc
 
 
 def make_runtime(parts: Stage3Parts, comm: Comm, memory: MemoryLedger, settings: Settings) -> Stage3Runtime:
-    return Stage3Runtime(parts.units, comm, memory, settings.zero.stage3, parts.external_users)
+    return Stage3Runtime(parts.units, comm, memory, settings.zero.stage3, parts.external_users,
+                         stage3_collectives(comm, settings))
+
+
+def stage3_collectives(comm: Comm, settings: Settings) -> Stage3Collectives:
+    """ZeRO++'s parameter gathers: qwZ (int8) forward, and backward too unless hpZ serves it
+    from the node; quantized_nontrainable_weights alone quantizes the frozen buckets' gathers."""
+    zpp = settings.zero.zeropp
+    plain = Stage3Collectives.plain(comm)
+    if comm.world_size == 1 or not (zpp.quantized_weights or zpp.quantized_nontrainable_weights
+                                    or zpp.hpz_partition_size > 1):
+        return plain
+    hpz = None
+    if zpp.hpz_partition_size > 1:
+        hpz = comm.on(comm.topology.hierarchy(zpp.hpz_partition_size, comm.timeout_s).hpz)
+    quant = QuantizedAllGather(comm)
+    train = quant if zpp.quantized_weights else comm
+    frozen = quant if zpp.quantized_weights or zpp.quantized_nontrainable_weights else comm
+    return Stage3Collectives(forward=train, backward=train, forward_frozen=frozen, backward_frozen=frozen, hpz=hpz)

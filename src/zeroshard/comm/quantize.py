@@ -1,0 +1,96 @@
+"""Block-wise symmetric quantization for ZeRO++ (qwZ int8, qgZ int4 / int8): vectorized
+torch ops, no Python loop over blocks.
+
+A row of `n` values is cut into `nb = ceil(n / max_block)` blocks of equal size
+`block = ceil(n / nb)` (even for int4: two values share a byte); the last block is
+padded with zeros, so any size works and at most `nb - 1` (+1 for int4) padding values
+travel. Each block keeps one fp32 scale, `absmax / qmax` (qmax 127 for int8, 7 for
+int4), and values are rounded to the nearest step: the error of an element is at most
+scale / 2 = absmax / (2 qmax) of its block.
+
+The arithmetic runs in fp32 whatever the input dtype: bf16 and fp32 go to fp32
+exactly, and nothing is cast to fp16 (DeepSpeed's kernels cast bf16 to fp16, which
+overflows above 65504). An all-zero block gets scale 0 and dequantizes to zeros; a
+non-finite value makes its block's scale non-finite, so an overflow stays visible
+after dequantization instead of being clipped away.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+QUANT_BLOCK_SIZE = 2048  # elements sharing one scale (ZeRO++'s default group size)
+SCALE_BYTES = 4  # fp32
+_QMAX = {8: 127, 4: 7}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """How a row of `n` values is blocked for `bits`-bit quantization."""
+
+    n: int
+    bits: int
+    count: int  # blocks
+    size: int  # values per block
+
+    @property
+    def padded(self) -> int:
+        return self.count * self.size
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of quantized values of one row (padding included: it is sent)."""
+        return self.padded * self.bits // 8
+
+    @property
+    def wire_bytes(self) -> int:
+        """Payload plus scales of one row."""
+        return self.payload_bytes + self.count * SCALE_BYTES
+
+
+def plan_blocks(n: int, bits: int, max_block: int = QUANT_BLOCK_SIZE) -> Blocks:
+    if bits not in _QMAX:
+        raise ValueError(f"quantization to {bits} bits: only 8 (int8) and 4 (int4) are built")
+    if n < 1 or max_block < 2:
+        raise ValueError(f"cannot block {n} values in blocks of at most {max_block}")
+    count = math.ceil(n / max_block)
+    size = math.ceil(n / count)
+    if bits == 4 and size % 2:
+        size += 1
+    return Blocks(n, bits, count, size)
+
+
+def quantize(x: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x`: (rows, n) or (n,). Returns (payload, scales): payload int8 of shape
+    (rows, payload_bytes) (int4: two values per byte, low nibble first, stored as int8 bits),
+    scales fp32 (rows, count)."""
+    rows = x.reshape(-1, blocks.n)
+    r = rows.shape[0]
+    padded = torch.zeros(r, blocks.padded, dtype=torch.float32, device=x.device)
+    padded[:, : blocks.n] = rows  # fp32: exact for bf16 and fp32 inputs
+    v = padded.view(r, blocks.count, blocks.size)
+    qmax = _QMAX[blocks.bits]
+    scales = v.abs().amax(dim=2) / qmax
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = torch.round(v * inv.unsqueeze(2)).clamp_(-qmax, qmax)
+    if blocks.bits == 8:
+        return q.to(torch.int8).view(r, blocks.padded), scales
+    u = (q + 8).to(torch.uint8).view(r, blocks.padded // 2, 2)  # 1..15: fits a nibble
+    packed = u[:, :, 0] | (u[:, :, 1] << 4)
+    return packed.view(torch.int8), scales
+
+
+def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize`: (rows, n) in `dtype` (computed in fp32)."""
+    r = scales.shape[0]
+    if blocks.bits == 8:
+        q = payload.reshape(r, blocks.padded).to(torch.float32)
+    else:
+        u = payload.reshape(r, blocks.padded // 2).view(torch.uint8)
+        q = torch.stack(((u & 15), (u >> 4)), dim=2).view(r, blocks.padded).to(torch.float32) - 8
+    v = q.view(r, blocks.count, blocks.size) * scales.unsqueeze(2)
+    return v.view(r, blocks.padded)[:, : blocks.n].to(dtype)
