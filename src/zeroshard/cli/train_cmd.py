@@ -41,8 +41,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, help="samples per rank per micro-step (default 8, or the config's)")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R (peft) only")
     p.add_argument("--bf16", action="store_true", help="train in bf16 with fp32 master weights")
-    p.add_argument("--offload", choices=("none", "cpu"), default="none",
-                   help="cpu: optimizer states (and, at stage 3, parameter shards) on host memory (ZeRO-Offload)")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
+                   help="cpu: optimizer states (and, at stage 3, parameter shards) on host memory (ZeRO-Offload); "
+                        "nvme: the same in files under --nvme-path (ZeRO-Infinity)")
+    p.add_argument("--nvme-path", metavar="DIR", help="with --offload nvme: a directory on a fast local drive")
     p.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR every --save-every steps and at the end")
     p.add_argument("--save-every", type=int, default=100, metavar="K", help="steps between checkpoints (default 100)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save DIR")
@@ -69,6 +71,10 @@ def check_train_args(args: argparse.Namespace) -> str | None:
             return "--resume continues from --save DIR: give the checkpoint folder with --save"
         if not os.path.exists(os.path.join(args.save, "latest")):
             return f"--resume: no checkpoint in {args.save} (no 'latest' file)"
+    if getattr(args, "offload", "none") == "nvme" and not getattr(args, "nvme_path", None):
+        return "--offload nvme keeps states in files: give --nvme-path DIR (a directory on a fast local drive)"
+    if getattr(args, "nvme_path", None) and getattr(args, "offload", "none") != "nvme":
+        return "--nvme-path is used only with --offload nvme; add --offload nvme or drop --nvme-path"
     return check_model(args.model, args.seq_len, args.lora) or _check_config(args) or check_data(args.data)
 
 
@@ -107,4 +113,6 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     argv += [flag for flag, on in (("--bf16", args.bf16), ("--resume", args.resume)) if on]
+    if getattr(args, "nvme_path", None):
+        argv += ["--nvme-path", args.nvme_path]
     return argv

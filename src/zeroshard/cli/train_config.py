@@ -75,14 +75,16 @@ def build_config(args: argparse.Namespace, unit_classes: list[str]) -> dict[str,
         cfg.pop("train_batch_size", None)  # derived again from micro x accumulation x ranks
     if args.bf16:
         cfg["bf16"] = {**(cfg.get("bf16") or {}), "enabled": True}
-    if getattr(args, "offload", "none") == "cpu":
+    device = getattr(args, "offload", "none")
+    if device in ("cpu", "nvme"):
         stage = zero.get("stage", 0)
         if stage == 0:
-            raise ConfigError("--offload cpu needs ZeRO stage 1, 2 or 3 (the optimizer states are sharded first); "
-                              "add --stage 2")
-        zero["offload_optimizer"] = {**(zero.get("offload_optimizer") or {}), "device": "cpu"}
+            raise ConfigError(f"--offload {device} needs ZeRO stage 1, 2 or 3 (the optimizer states are sharded "
+                              "first); add --stage 2")
+        where = {"device": device, **({"nvme_path": args.nvme_path} if device == "nvme" else {})}
+        zero["offload_optimizer"] = {**(zero.get("offload_optimizer") or {}), **where}
         if stage == 3:
-            zero["offload_param"] = {**(zero.get("offload_param") or {}), "device": "cpu"}
+            zero["offload_param"] = {**(zero.get("offload_param") or {}), **where}
     own = cfg.get("zeroshard") or {}
     if (zero.get("stage") == 3 and unit_classes and "stage3_unit_classes" not in own
             and "stage3_min_unit_params" not in own):
