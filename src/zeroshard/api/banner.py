@@ -43,6 +43,7 @@ def startup_banner(engine: "Engine", parts: ModelParts) -> list[str]:
         f"  optimizer: {engine.plan.description} ({kernel} kernel), "
         f"{type(engine.optimizer.optimizer).__name__} over fp32 shards; "
         f"scheduler: {type(engine.lr_scheduler).__name__ if engine.lr_scheduler else 'none'}",
+        f"  optimizer step: {engine.step_mode}",
         f"  gradient clipping: {clip}"
         + ("" if s.gradient_clipping > 0 else " (DeepSpeed 0.19 defaults to 1.0; zeroshard clips only when asked)"),
         f"  batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
@@ -56,8 +57,9 @@ def startup_banner(engine: "Engine", parts: ModelParts) -> list[str]:
     ]
     if engine.host_threads:
         lines.append(f"  optimizer shards by tier: {engine.optimizer.tier_summary()}; host step: {kernel} "
-                     f"{type(engine.optimizer.optimizer).__name__} kernel, {engine.host_threads}, after backward "
-                     "at the accumulation boundary (as DeepSpeed)"
+                     f"{type(engine.optimizer.optimizer).__name__} kernel, {engine.host_threads}, "
+                     + ("during backward (see 'optimizer step')" if engine.step_early
+                        else "after backward at the accumulation boundary (as DeepSpeed)")
                      + ("" if topo.device.type == "cuda" else "; host and device are the same memory here: "
                         "no copies, the ledger's tiers say where each byte belongs"))
     lines += [f"  {line}" for line in getattr(engine, "nvme_lines", [])]

@@ -154,7 +154,8 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
         comms_logger=comms,
         aio=_aio(config),
         runtime=(RuntimePolicy(comm_timeout_s=runtime.comm_timeout_s,
-                               cast_forward_inputs=runtime.cast_forward_inputs)
+                               cast_forward_inputs=runtime.cast_forward_inputs,
+                               step_during_backward=runtime.step_during_backward)
                  if runtime is not None else RuntimePolicy()),
         raw=raw,
         notes=tuple(notes),

@@ -260,6 +260,9 @@ class ZeroShardConfig(Section):
     cast_forward_inputs: Bool = True
     stage3_unit_classes: list[Text] | None = None  # module class names that are gather units
     stage3_min_unit_params: PosInt = 100_000  # without unit classes: subtree size that makes a unit
+    # step each optimizer sub-group as soon as its gradients are reduced, during backward
+    # (stages 0-2; None: whenever no clipping or fp16 overflow check needs every gradient first)
+    step_during_backward: Bool | None = None
 
 
 class RootConfig(Section):

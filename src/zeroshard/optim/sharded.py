@@ -66,6 +66,9 @@ class ShardedOptimizer:
         ]
         self.optimizer = build(groups)
         self._sub_groups = sub_groups([m.numel() for m in self.masters], sub_group_size)
+        self._sub_group_of = {b: k for k, indices in enumerate(self._sub_groups) for b in indices}
+        self._final: dict[int, set[int]] = {}  # sub-group -> its buckets whose gradients are final
+        self._stepped: set[int] = set()  # sub-groups stepped early (during backward) this step
         self._swap = _nvme_swap(self, build, group_options, swap_buffers)  # None unless a tier is nvme
         self._count_states()
 
@@ -99,33 +102,63 @@ class ShardedOptimizer:
         `scale` folds loss-scale removal and clipping into one multiply. A gradient
         already in fp32 is scaled in place (the engine clears it after the step
         anyway); a 16-bit one is upcast into a temporary that lives for one sub-group."""
-        staged = self._staging.start(self._sub_groups[0], grad_shard) if self._sub_groups else None
-        for k, indices in enumerate(self._sub_groups):
+        todo = [k for k in range(len(self._sub_groups)) if k not in self._stepped]
+        staged = self._staging.start(self._sub_groups[todo[0]], grad_shard) if todo else None
+        for i, k in enumerate(todo):
             grads = self._staging.finish(staged)
-            if k + 1 < len(self._sub_groups):  # the next sub-group's device->host copy overlaps this step
-                staged = self._staging.start(self._sub_groups[k + 1], grad_shard)
+            if i + 1 < len(todo):  # the next sub-group's device->host copy overlaps this step
+                staged = self._staging.start(self._sub_groups[todo[i + 1]], grad_shard)
             if self._swap is not None:
                 self._swap.swap_in(k)  # and starts reading sub-group k+1
-            upcast = 0
-            for b, g in zip(indices, grads):
-                if g.dtype == torch.float32:
-                    self.masters[b].grad = g.mul_(scale) if scale != 1.0 else g
-                else:
-                    self.masters[b].grad = g.float().mul_(scale)
-                    upcast += g.numel() * 4
-            self.memory.hold("grads", "fp32_subgroup", upcast, tier=self.tiers[indices[0]].name)
-            self.optimizer.step()
-            for b in indices:
-                self.masters[b].grad = None
-                if self._separate[b]:
-                    self.tiers[b].store(self.buckets[b].shard(), self.masters[b])
-                after_bucket(b)
+            self._step_sub_group(k, grads, scale, after_bucket)
             if self._swap is not None:
                 self._swap.swap_out(k)  # written while sub-group k+1 steps
-            self.memory.release("grads", "fp32_subgroup")
         if self._swap is not None:
             self._swap.drain()
+        self.forget_early()
         self._count_states()
+
+    @property
+    def can_step_early(self) -> bool:
+        """Whether sub-groups may step one by one as their gradients become final (during
+        backward): not when their states stream through the NVMe pipeline, which runs in order."""
+        return self._swap is None
+
+    def forget_early(self) -> None:
+        """A new accumulation boundary: no sub-group has stepped early yet."""
+        self._stepped.clear()
+        self._final.clear()
+
+    def step_ready(self, b: int, grad_shard: Callable[[int], torch.Tensor], scale: float,
+                   after_bucket: Callable[[int], None]) -> None:
+        """Bucket b's gradient shard is final: step its sub-group now if all its buckets are.
+        The next `step()` steps only the sub-groups not stepped this way."""
+        k = self._sub_group_of[b]
+        self._final.setdefault(k, set()).add(b)
+        if k in self._stepped or len(self._final[k]) < len(self._sub_groups[k]):
+            return
+        self._stepped.add(k)
+        grads = self._staging.finish(self._staging.start(self._sub_groups[k], grad_shard))
+        self._step_sub_group(k, grads, scale, after_bucket)
+
+    def _step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float,
+                        after_bucket: Callable[[int], None]) -> None:
+        indices = self._sub_groups[k]
+        upcast = 0
+        for b, g in zip(indices, grads):
+            if g.dtype == torch.float32:
+                self.masters[b].grad = g.mul_(scale) if scale != 1.0 else g
+            else:
+                self.masters[b].grad = g.float().mul_(scale)
+                upcast += g.numel() * 4
+        self.memory.hold("grads", "fp32_subgroup", upcast, tier=self.tiers[indices[0]].name)
+        self.optimizer.step()
+        for b in indices:
+            self.masters[b].grad = None
+            if self._separate[b]:
+                self.tiers[b].store(self.buckets[b].shard(), self.masters[b])
+            after_bucket(b)
+        self.memory.release("grads", "fp32_subgroup")
 
     # -- values of masters and states wherever they live (the NVMe tier keeps placeholders) --
     def master_value(self, b: int) -> torch.Tensor:

@@ -185,6 +185,7 @@ class RuntimePolicy:
 
     comm_timeout_s: float = 600.0  # every collective fails loudly after this long
     cast_forward_inputs: bool = True  # floating inputs are cast to the compute dtype
+    step_during_backward: bool | None = None  # None: on where nothing forbids it (stages 0-2)
 
 
 @dataclass(frozen=True)
