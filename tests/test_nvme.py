@@ -34,12 +34,16 @@ def nvme_both(path: str) -> dict:
 
 
 # (case, offload builder): each runs with NVMe and without offload; the two must be equal
+S = 3  # steps per case (the oracle's default is 5; 3 keep the file's run time down)
 CASES = [
-    (Case(stage=1, optimizer="sgd"), lambda p: nvme(p)),
-    (Case(stage=2, optimizer="adamw", gas=2, clip=0.5), lambda p: nvme(p)),
-    (Case(stage=2, optimizer="adamw"), lambda p: nvme(p, buffer_count=1)),  # serial pipeline
-    (Case(stage=3, optimizer="sgd", zero=NO_REUSE), lambda p: nvme(p, buffer_count=2)),
-    (Case(stage=3, optimizer="adamw", zero=NO_REUSE), lambda p: nvme(p)),
+    (Case(stage=1, optimizer="sgd", steps=S), lambda p: nvme(p)),
+    (Case(stage=2, optimizer="adamw", gas=2, clip=0.5, steps=S), lambda p: nvme(p)),
+    (Case(stage=2, optimizer="adamw", steps=S), lambda p: nvme(p, buffer_count=1)),  # serial pipeline
+    (Case(stage=3, optimizer="sgd", zero=NO_REUSE, steps=S), lambda p: nvme(p, buffer_count=2)),
+    (Case(stage=3, optimizer="adamw", zero=NO_REUSE, steps=S), lambda p: nvme(p)),
+    # parameters and optimizer states in files
+    (Case(stage=3, optimizer="sgd", zero=NO_REUSE, steps=S), nvme_both),
+    (Case(stage=3, optimizer="adamw", gas=2, clip=0.5, zero=NO_REUSE, steps=S), nvme_both),
 ]
 
 
@@ -78,7 +82,13 @@ def _evidence(engine) -> dict:
     after = opt.master_value(0).clone()
     os.pwrite(fd, before.numpy().tobytes(), region.offset)  # put it back
     os.close(fd)
+    param_tiers = engine._param_tiers()
+    params_on_disk = sum(b.shard().numel() * b.shard().element_size() for u in engine.units for b in u.buckets
+                         if getattr(b, "_home", None) is not None)
+    ahead = [t.ahead for t in param_tiers if t.ahead is not None]
     return {"resident": resident, "buffers": swap.slots_used * swap.slot_bytes, "slots": swap.slots_used,
+            "params_nvme": params_on_disk, "param_pool": sum(a.buffers * a.buffer_bytes for a in ahead),
+            "read_ahead_hits": sum(a.hits for a in ahead), "param_files": [t.folder for t in param_tiers],
             "sub_groups": len(opt._sub_groups), "stats": stats, "on_disk": on_disk, "folder": folder,
             "overwritten_reads_7": bool((after == 7.0).all()), "restored": bool(torch.equal(opt.master_value(0), before)),
             "expected_nvme": sum(m.numel() * 4 for m in opt.masters) * (1 + swap.k)}
@@ -143,7 +153,9 @@ def results(tmp_path_factory):
 
 def _id(item):
     case, offload = item
-    return f"z{case.stage}-{case.optimizer}-gas{case.gas}-buffers{offload('x')['offload_optimizer'].get('buffer_count', 4)}"
+    keys = offload("x")
+    return (f"z{case.stage}-{case.optimizer}-gas{case.gas}-buffers{keys['offload_optimizer'].get('buffer_count', 4)}"
+            + ("-params" if "offload_param" in keys else ""))
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[_id(c) for c in CASES])
@@ -162,11 +174,14 @@ def test_states_live_in_the_files_and_host_holds_only_the_buffers(i, results):
     for r in (rank["cases"][i] for rank in results):
         s = r["stats"]
         assert r["overwritten_reads_7"] and r["restored"]
-        assert s["tier_nvme"] == r["expected_nvme"] and r["on_disk"] >= s["tier_nvme"]
+        assert s["tier_nvme"] == r["expected_nvme"] + r["params_nvme"] and r["on_disk"] >= r["expected_nvme"]
         assert r["resident"] <= 64 * 1024  # placeholders only: a few bytes per tensor
-        assert s["tier_host"] == r["buffers"]  # the swap buffers, nothing else, on the host
-        assert s["optimizer_states"] == s["tier_nvme"] + r["buffers"]
-        assert not r["left_after_close"]
+        # on the host: the swap buffers and the parameter read-ahead pool, nothing else
+        assert s["tier_host"] == r["buffers"] + r["param_pool"]
+        assert s["optimizer_states"] == r["expected_nvme"] + r["buffers"]
+        assert not r["left_after_close"] and not any(os.path.exists(f) for f in r["param_files"])
+        if CASES[i][1] is nvme_both:  # parameter shards were fetched ahead of their gathers
+            assert r["params_nvme"] == s["params"] and r["param_pool"] > 0 and r["read_ahead_hits"] > 0
 
 
 def test_checkpoints_of_nvme_runs_resume_exactly_and_reshard_without_nvme(results):

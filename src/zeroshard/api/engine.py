@@ -34,7 +34,7 @@ from zeroshard.api.banner import startup_banner
 from zeroshard.api.gathered import register_engine
 from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.config.model_defaults import choose_for_model
-from zeroshard.offload import host_step_threads, optimizer_tiers
+from zeroshard.offload import host_step_threads, optimizer_tiers, store_value
 from zeroshard.optim.clipping import clip_coefficient, global_grad_norm
 from zeroshard.optim.loss_scaler import make_loss_scaler
 from zeroshard.optim.schedulers import build_scheduler
@@ -146,14 +146,21 @@ class Engine:
         self.params = PartitionedParams(runtime, publisher, s3.persistent)
         return masters
 
+    def _param_tiers(self) -> list:
+        """The tiers holding stage-3 parameter shards away from the device (offload_param)."""
+        homes = {id(t): t for u in getattr(self, "units", []) for b in u.buckets
+                 if (t := getattr(b, "_home", None)) is not None}
+        return list(homes.values())
+
     def _prepare_nvme(self, tiers, sizes: list[int]) -> list[str]:
         """offload_optimizer: nvme: space check and I/O self-test before any shard is written."""
         nvme = [t for t in tiers if t.name == "nvme"]
+        params = [line for t in self._param_tiers() for line in getattr(t, "startup_lines", [])]
         if not nvme:
-            return []
+            return params
         from zeroshard.optim.nvme_swap import prepare_disk
 
-        return prepare_disk(nvme[0], [n for n, t in zip(sizes, tiers) if t.name == "nvme"], self.plan.build,
+        return params + prepare_disk(nvme[0], [n for n, t in zip(sizes, tiers) if t.name == "nvme"], self.plan.build,
                             self.plan.group_options, self.topology.local_world_size,
                             self.settings.zero.offload_optimizer)
 
@@ -369,7 +376,7 @@ class Engine:
         for b, bucket in enumerate(self.buckets):
             master = self.optimizer.master_value(b)  # read from its file on the nvme tier
             if master.data_ptr() != bucket.shard().data_ptr():
-                bucket.shard().copy_(master)
+                store_value(bucket.shard(), master)  # in memory, or in its nvme file (offload_param)
             self.params.publish(b)
         self.params.wait()
 
@@ -405,6 +412,8 @@ class Engine:
         self.grads.remove_hooks()
         self.params.remove_hooks()
         self.optimizer.close()  # the nvme tier's files go
+        for tier in self._param_tiers():
+            tier.close()
         self.topology.destroy()
 
     # -- internals ----------------------------------------------------------------------------

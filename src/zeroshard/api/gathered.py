@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Comm, CommLedger, setup_topology
+from zeroshard.offload import store_value
 from zeroshard.partition.param_shards import shard_of, shard_parameter
 from zeroshard.partition.unit_bucket import UnitBucket
 
@@ -84,7 +85,7 @@ class GatheredParameters:
             comm.broadcast(bucket.data, src, what=f"GatheredParameters from rank {src}").wait()
             lo, hi = bucket.shard_range
             if isinstance(bucket, UnitBucket):
-                bucket.shard().copy_(bucket.data[lo:hi])
+                store_value(bucket.shard(), bucket.data[lo:hi])  # in memory, or in its nvme file
             if b < len(engine.buckets):
                 with engine.optimizer.resident(b):  # nvme tier: read, edited, written back
                     engine.optimizer.masters[b].copy_(bucket.data[lo:hi])

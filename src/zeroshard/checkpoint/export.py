@@ -180,7 +180,7 @@ class _BucketStream:
                 full = bucket.data  # a persistent bucket: whole on every rank, republished after each step
             else:
                 full = bucket.new_full()
-                self.ts.comm.all_gather(full, bucket.shard(),
+                self.ts.comm.all_gather(full, bucket.gather_input(),  # from its tier (host, nvme file)
                                             what=f"save_16bit_model, unit '{bucket.name}'").wait()
             self.bucket, self.full = bucket, full
         return self.full

@@ -19,6 +19,7 @@ from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, frozen_buckets, name_table_of
+from zeroshard.offload import readable, store_value
 from zeroshard.policies import CheckpointError
 
 log = logging.getLogger("zeroshard")
@@ -119,7 +120,11 @@ def load_frozen_shards(reader: CheckpointReader, ts) -> None:
     """Stage 3: this rank's at-rest shard of each frozen unit bucket, element range by
     element range (from a saved frozen shard, or from a whole tensor saved at stages 0-2)."""
     for bucket in frozen_buckets(ts):
-        _fill(bucket.shard(), bucket, reader, "value")
+        home = bucket.shard()
+        value = readable(home)  # a shard kept in a file (offload_param nvme): filled here, written back
+        _fill(value, bucket, reader, "value")
+        if value is not home:
+            store_value(home, value)
 
 
 def load_module_tensors(reader: CheckpointReader, ts) -> None:

@@ -25,6 +25,7 @@ from zeroshard.checkpoint.format import (
     json_safe,
     module_key,
 )
+from zeroshard.offload import readable
 from zeroshard.policies import CheckpointError
 
 # How an optimizer state of one master is stored and resharded.
@@ -142,7 +143,8 @@ def rank_file(ts, table: NameTable, pause: Callable[[str], None]) -> RankFile:
             continue
         b = len(ts.buckets) + f
         shards.append([b, bucket.shard_index])
-        entries.append(_entry(bucket_key(b, "value"), bucket.shard()))
+        entries.append(_lazy_entry(bucket_key(b, "value"), bucket.shard(),
+                                   lambda bucket=bucket: readable(bucket.shard())))  # nvme: read when written
     if ts.rank == 0:
         entries += [_entry(module_key(name), t) for name, t in table.module_entries]
     if entries:

@@ -104,7 +104,8 @@ GAPS: tuple[Gap, ...] = (
     Gap(_Z + "stage", lambda c: _when(c.stage == 3, 3), "0, 1 or 2", built=True),
     Gap(_Z + "offload_optimizer.device", lambda c: _nvme(c.zero.offload_optimizer), '"cpu" or "none"', ZERO_STAGES,
         built=True),  # the NVMe tier (issue 11)
-    Gap(_Z + "offload_param.device", lambda c: _nvme(c.zero.offload_param), '"cpu" or "none"', STAGE3),
+    Gap(_Z + "offload_param.device", lambda c: _nvme(c.zero.offload_param), '"cpu" or "none"', STAGE3,
+        built=True),  # the NVMe tier (issue 11)
     Gap(_Z + "zenflow", lambda c: _when(c.zero.zenflow is not None, "{...}"), "nothing (remove the block)",
         ZERO_STAGES),
     Gap("fp16.auto_cast", lambda c: _when(bool(_fp16(c) and c.fp16.auto_cast)), "false"),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.offload.aio import ALIGN, AioSettings, Handle, IOEngine, align_up, aligned_empty, self_test
-from zeroshard.offload.tiers import Tier
+from zeroshard.offload.tiers import _FILE_HOMES, Tier
 from zeroshard.policies import AioPolicy, NvmeError, NvmeSpaceError
 
 log = logging.getLogger("zeroshard")
@@ -138,7 +138,10 @@ class NvmeTier(Tier):
 
     name = "nvme"
 
-    def __init__(self, nvme_path: str | None, aio: AioPolicy, purpose: str, rank: int = 0) -> None:
+    def __init__(self, nvme_path: str | None, aio: AioPolicy, purpose: str, rank: int = 0,
+                 read_ahead: tuple[int, int] = (0, 0)) -> None:
+        """`read_ahead` = (buffers, elements per buffer): `fetch` reads that many shards ahead,
+        following the order of earlier fetches, into a pool of that many host buffers."""
         super().__init__(torch.device("cpu"))
         root = check_path(nvme_path)
         self.removed_stale = sweep_stale(root)
@@ -156,6 +159,8 @@ class NvmeTier(Tier):
         self._regions: dict[int, tuple[Region, torch.Tensor]] = {}  # id(placeholder) -> (region, placeholder)
         self._closed = False
         self._lock = threading.Lock()
+        self.ahead = _ReadAhead(self, *read_ahead) if read_ahead[0] > 0 else None
+        self.startup_lines: list[str] = []
         atexit.register(self.close)
 
     # -- start-up --------------------------------------------------------------------------------
@@ -169,6 +174,25 @@ class NvmeTier(Tier):
     def describe(self) -> str:
         return f"nvme ({self.folder}; {self.io.describe()})"
 
+    def prepare(self, need: int, sharers: int, ledger=None) -> list[str]:
+        """Before any shard is placed: check the space for `need` bytes per process, run the
+        self-test, count the read-ahead pool in `ledger`; the start-up lines (also kept in
+        `startup_lines`)."""
+        space = check_space(self.folder, need, sharers)
+        write_gbs, read_gbs = self.self_test()
+        lines = [f"nvme tier ({self.folder.rsplit('-', 1)[-1]}): {self.describe()}; {space}"
+                 + (f"; removed {len(self.removed_stale)} stale run folder(s)" if self.removed_stale else ""),
+                 f"nvme self-test: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s"
+                 + ("" if self.io.direct else " (buffered: reads may come from the page cache)")]
+        if self.ahead is not None:
+            self.ahead.ledger = ledger
+            lines.append(f"nvme parameter read-ahead: {self.ahead.count} host buffer(s) (offload_param.buffer_count) "
+                         f"of up to {self.ahead.numel:,} elements (buffer_size); shards are read ahead of their gather "
+                         "in the order gathers came in earlier passes; larger shards are read when gathered; "
+                         "max_in_cpu: no cache beyond these buffers")
+        self.startup_lines = lines + [f"  {line}" for line in self.aio_lines]
+        return self.startup_lines
+
     @property
     def bytes_on_disk(self) -> int:
         return self._end
@@ -178,6 +202,9 @@ class NvmeTier(Tier):
         with self._lock:
             region = Region(self._end, align_up(max(nbytes, 1)))
             self._end += region.nbytes
+            # the file covers every region whole, so aligned (O_DIRECT) reads of a region never
+            # run past its end; the unwritten tail of a region reads as zeros (a sparse extent)
+            os.ftruncate(self.io._fds[self.path][0], self._end)
         return region
 
     def region_of(self, home: torch.Tensor) -> Region | None:
@@ -208,22 +235,31 @@ class NvmeTier(Tier):
         self.wait(self.write(region, t))
         home = placeholder(t.shape, t.dtype)
         self._regions[id(home)] = (region, home)
+        _FILE_HOMES[id(home)] = (self, home)
         return home
 
     def fetch(self, home: torch.Tensor, device: torch.device, stream=None) -> torch.Tensor:
+        """A fresh tensor with `home`'s values (from the read-ahead pool when it was predicted)."""
         region = self.region_of(home)
         if region is None:
             return super().fetch(home, device, stream)
-        out = torch.empty(home.shape, dtype=home.dtype)
-        self.wait(self.read(region, out))
-        return out if torch.device(device).type == "cpu" else out.to(device)
+        if self.ahead is not None:
+            out = self.ahead.fetch(home, region)
+        else:
+            out = torch.empty(home.shape, dtype=home.dtype)
+            self.wait(self.read(region, out))
+        return out if torch.device(device).type == "cpu" else out.to(device, non_blocking=False)
 
     def store(self, home: torch.Tensor, work: torch.Tensor) -> None:
         region = self.region_of(home)
         if region is None:  # an ordinary tensor (e.g. a device shard) takes the values by copy
             super().store(home, work)
             return
-        self.wait(self.write(region, work.detach().to("cpu")))
+        if self.ahead is not None and id(home) in self.ahead.inflight:  # its old values are on their way
+            self.ahead.tier.wait(self.ahead.inflight[id(home)][1])
+        self.wait(self.write(region, work.detach().to(device="cpu", dtype=home.dtype).contiguous()))
+        if self.ahead is not None:
+            self.ahead.refresh(home)
 
     def same_memory(self, device: torch.device) -> bool:
         return False
@@ -233,7 +269,11 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._closed = True
+        for key in [k for k, (tier, _) in _FILE_HOMES.items() if tier is self]:
+            del _FILE_HOMES[key]
         try:
+            if self.ahead is not None:
+                self.ahead.drop_all()
             self.io.close()
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -245,6 +285,103 @@ class NvmeTier(Tier):
             atexit.unregister(self.close)
         except Exception:  # pragma: no cover - interpreter shutting down
             pass
+
+
+class _ReadAhead:
+    """Reads shards ahead of their fetch, in the order fetches came before: each fetch records
+    which shard followed the previous two (two, because a stage-3 pass fetches a shard in
+    forward and again in backward, so one shard alone has two successors), and starts reading
+    the next `count` shards of that chain into a pool of `count` aligned host buffers (shards
+    over `numel` elements are read when fetched). A predicted fetch waits only for what is
+    left of its read. A store refreshes a read-ahead copy of the shard it overwrites."""
+
+    def __init__(self, tier: NvmeTier, count: int, numel: int) -> None:
+        self.tier, self.count, self.numel = tier, count, numel
+        self.after: dict[tuple, int] = {}  # (id before, id) -> id of the home fetched next last time
+        self.context: tuple = (None, None)  # the last two fetched
+        self.inflight: dict[int, tuple[torch.Tensor, Handle]] = {}
+        self.free: list[torch.Tensor] = []
+        self.buffers = 0
+        self.buffer_bytes = 0
+        self.hits = self.misses = 0
+        self.wait_s = 0.0
+        self.ledger = None  # a MemoryLedger, when the caller wants the pool counted
+
+    def fetch(self, home: torch.Tensor, region: Region) -> torch.Tensor:
+        key = id(home)
+        if self.context[1] is not None:
+            self.after[self.context] = key
+        self.context = (self.context[1], key)
+        entry = self.inflight.pop(key, None)
+        nbytes = home.numel() * home.element_size()
+        if entry is not None:
+            buf, handle = entry
+            self.tier.wait(handle)
+            self.wait_s += handle.wait_s
+            out = buf[:nbytes].view(home.dtype).view(home.shape).clone()
+            self.free.append(buf)
+            self.hits += 1
+        else:
+            out = torch.empty(home.shape, dtype=home.dtype)
+            handle = self.tier.read(region, out)
+            self.tier.wait(handle)
+            self.wait_s += handle.wait_s
+            self.misses += 1
+        self._ahead(key)
+        return out
+
+    def _ahead(self, key: int) -> None:
+        window, state = [], self.context
+        for _ in range(2 * self.count):
+            k = self.after.get(state)
+            if k is None or len(window) >= self.count:
+                break
+            if k != key and k not in window:
+                window.append(k)
+            state = (state[1], k)
+        for other in [o for o in self.inflight if o not in window]:  # the order changed: drop them
+            self._drop(other)
+        if not self.buffer_bytes:
+            sizes = [r.nbytes for r, h in self.tier._regions.values() if h.numel() <= self.numel]
+            self.buffer_bytes = max(sizes or [0])
+        for k in window:
+            if k in self.inflight or k not in self.tier._regions:
+                continue
+            region, home = self.tier._regions[k]
+            if region.nbytes > self.buffer_bytes:
+                continue
+            buf = self._buffer()
+            if buf is None:
+                break
+            self.inflight[k] = (buf, self.tier.read(region, buf[:region.nbytes]))
+
+    def _buffer(self) -> torch.Tensor | None:
+        if self.free:
+            return self.free.pop()
+        if self.buffers >= self.count or not self.buffer_bytes:
+            return None
+        self.buffers += 1
+        if self.ledger is not None:
+            self.ledger.hold("comm_buffers", "nvme_param_read_ahead", self.buffers * self.buffer_bytes, tier="host")
+        return aligned_empty(self.buffer_bytes)
+
+    def _drop(self, key: int) -> None:
+        buf, handle = self.inflight.pop(key)
+        self.tier.wait(handle)
+        self.free.append(buf)
+
+    def refresh(self, home: torch.Tensor) -> None:
+        """`home` was just rewritten: a read-ahead copy of it is read again."""
+        key = id(home)
+        if key in self.inflight:
+            buf, handle = self.inflight.pop(key)
+            self.tier.wait(handle)
+            region = self.tier._regions[key][0]
+            self.inflight[key] = (buf, self.tier.read(region, buf[:region.nbytes]))
+
+    def drop_all(self) -> None:
+        for key in list(self.inflight):
+            self._drop(key)
 
 
 __all__ = ["NvmeTier", "Region", "aio_settings", "aligned_empty", "check_path", "check_space", "placeholder",

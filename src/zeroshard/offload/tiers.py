@@ -24,6 +24,30 @@ from zeroshard.policies import OffloadDevice, OffloadPolicy
 
 log = logging.getLogger("zeroshard")
 
+# Shards whose values live in a file (the nvme tier): placeholder id -> (owning tier, placeholder).
+# Any tier's `store` into such a home, and `readable`, go through the owner.
+_FILE_HOMES: dict[int, tuple["Tier", torch.Tensor]] = {}
+
+
+def file_home_owner(t: torch.Tensor):
+    entry = _FILE_HOMES.get(id(t))
+    return entry[0] if entry is not None and entry[1] is t else None
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or, when `t` is a shard kept in a file, a fresh tensor with its values."""
+    owner = file_home_owner(t)
+    return t if owner is None else owner.fetch(t, torch.device("cpu"))
+
+
+def store_value(home: torch.Tensor, value: torch.Tensor) -> None:
+    """Write `value` into `home`, a tensor or a shard kept in a file."""
+    owner = file_home_owner(home)
+    if owner is None:
+        home.copy_(value)
+    else:
+        owner.store(home, value)
+
 
 class Tier:
     name = "device"
@@ -48,6 +72,10 @@ class Tier:
 
     def store(self, home: torch.Tensor, work: torch.Tensor) -> None:
         """Write `work` back into `home` (nothing to do when they are the same tensor)."""
+        owner = file_home_owner(home)
+        if owner is not None and owner is not self:  # e.g. stage 3 parameter shards on the nvme tier
+            owner.store(home, work)
+            return
         if work.data_ptr() != home.data_ptr():
             home.copy_(work, non_blocking=home.is_pinned() or work.is_pinned())
 
@@ -101,7 +129,8 @@ def make_tier(policy: OffloadPolicy, device: torch.device, aio=None, rank: int =
         from zeroshard.offload.nvme import NvmeTier
         from zeroshard.policies import AioPolicy
 
-        return NvmeTier(policy.nvme_path, aio or AioPolicy(), purpose, rank)
+        read_ahead = (policy.buffer_count, policy.buffer_size) if purpose == "params" else (0, 0)
+        return NvmeTier(policy.nvme_path, aio or AioPolicy(), purpose, rank, read_ahead)
     raise NotImplementedError(f"offload device {policy.device.value!r} has no tier")
 
 

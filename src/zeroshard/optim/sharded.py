@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zeroshard.offload import DeviceTier, Tier
+from zeroshard.offload import DeviceTier, Tier, readable
 from zeroshard.partition import FlatBucket, MemoryLedger
 
 Builder = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -53,7 +53,7 @@ class ShardedOptimizer:
         self.tiers = tiers or [DeviceTier(b.shard().device) for b in buckets]
         self.masters = []
         for m, b, tier in zip(masters, buckets, self.tiers):
-            shard = b.shard()
+            shard = readable(b.shard())  # a stage-3 shard kept in a file (offload_param nvme) is read once
             if m is None and tier.same_memory(shard.device):
                 self.masters.append(shard)
             else:

@@ -70,7 +70,11 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
     rank, world = comm.rank, comm.world_size
     plan = plan_stage3(model, settings.zero.stage3, settings.zero.stage3.min_unit_params)
     offload = settings.zero.offload_param
-    param_tier = make_tier(offload, device) if offload.device is not OffloadDevice.NONE else None
+    param_tier = make_tier(offload, device, settings.aio, rank, "params") if offload.device is not OffloadDevice.NONE \
+        else None
+    if param_tier is not None and param_tier.name == "nvme":  # space checked before any shard is written
+        need = sum(p.numel() * dtype.itemsize for up in plan.units for p in up.params) // world
+        param_tier.prepare(need + 4096 * 2 * len(plan.units), comm.topology.local_world_size, memory)
     trainable: list[FlatBucket] = []
     masters: list[torch.Tensor] = []
     frozen: list[UnitBucket] = []
