@@ -307,10 +307,6 @@ def test_no_pydantic_error_escapes():
 
 
 _NSY = [
-    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
-     'zero_optimization.offload_optimizer.device = "nvme"'),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-     'zero_optimization.offload_param.device = "nvme"'),
     (_zero2(zenflow={"topk_ratio": 0.05}), "zero_optimization.zenflow"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast = true"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
@@ -344,11 +340,26 @@ def test_not_supported_yet(cfg, words):
 
 def test_not_supported_yet_lists_every_gap():
     cfg = copy.deepcopy(HF_ZERO3)
-    for block in ("offload_optimizer", "offload_param"):
-        cfg["zero_optimization"][block] = {"device": "nvme", "nvme_path": "/nvme"}
+    cfg["prescale_gradients"] = True
+    cfg["gradient_allreduce_op"] = "sum"
     msg = _error(cfg, NotSupportedYetError)
     assert "zero_optimization.stage = 3" not in msg  # stage 3 is built
-    assert "offload_optimizer.device" in msg and "offload_param.device" in msg
+    assert "prescale_gradients" in msg and "gradient_allreduce_op" in msg
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nvme_offload_is_built_and_the_aio_block_is_mapped(stage):
+    zero = {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 3}}
+    if stage == 3:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": "/nvme", "buffer_size": 1000}
+    aio = {"block_size": 262144, "queue_depth": 4, "thread_count": 2, "single_submit": True, "overlap_events": False}
+    s = load_config({"zero_optimization": zero, "gradient_clipping": 1.0, "aio": aio}, 2)
+    assert s.zero.offload_optimizer.device is OffloadDevice.NVME and s.zero.offload_optimizer.buffer_count == 3
+    assert s.aio.block_size == 262144 and s.aio.queue_depth == 4 and s.aio.intra_op_parallelism == 2
+    assert s.aio.single_submit and not s.aio.overlap_events
+    if stage == 3:
+        assert s.zero.offload_param.device is OffloadDevice.NVME and s.zero.offload_param.buffer_size == 1000
+    assert not any("aio" in n and "unused" in n for n in s.notes)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
