@@ -46,10 +46,41 @@ def as_torchrun_node(rank: int) -> None:
                       GROUP_RANK=str(rank // PER_NODE))
 
 
+def _collectives(rank):
+    """qgZ (int4 and int8) against a plain reduce-scatter, qwZ against a plain all-gather (bf16
+    and fp32), on the same inputs; sizes that do not divide the quantization block."""
+    from zeroshard.comm import (Comm, CommLedger, QuantizedAllGather, QuantizedHierarchicalReduceScatter,
+                                setup_topology)
+
+    topo = setup_topology(120.0)
+    comm = Comm(topo, CommLedger(WORLD), 120.0)
+    h = topo.hierarchy(2, 120.0)
+    g = torch.Generator().manual_seed(100 + rank)
+    out = {}
+    for bits in (4, 8):
+        x = torch.randn(WORLD * 3001, generator=g)
+        got, want = torch.empty(3001), torch.empty(3001)
+        QuantizedHierarchicalReduceScatter(comm, h, bits=bits).reduce_scatter(got, x, "test").wait()
+        comm.reduce_scatter(want, x.clone(), "reference").wait()
+        amax = torch.tensor(x.abs().max().item())
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        out[f"rs{bits}"] = ((got - want).abs().max().item(), amax.item())
+    for dtype in (torch.float32, torch.bfloat16):
+        shard = (torch.randn(2500, generator=g) * 1e3).to(dtype)
+        got, want = torch.empty(WORLD * 2500, dtype=dtype), torch.empty(WORLD * 2500, dtype=dtype)
+        QuantizedAllGather(comm).all_gather(got, shard, "test").wait()
+        comm.all_gather(want, shard, "reference").wait()
+        amax = torch.tensor(shard.float().abs().max().item())
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        out[f"ag-{dtype}"] = ((got.float() - want.float()).abs().max().item(), amax.item(), got.dtype == dtype)
+    topo.release_group()
+    return out
+
+
 def _worker(rank, world_size, runs, oracle):
     as_torchrun_node(rank)
     dist.init_process_group("gloo")
-    out = {}
+    out = {"collectives": _collectives(rank)}
     for key, case in runs.items():
         engine, losses = train_engine(case.with_(steps=case.steps - 1), rank, world_size)
         engine.reset_comm_stats()
@@ -77,6 +108,27 @@ def _worker(rank, world_size, runs, oracle):
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(_worker, WORLD, RUNS, ORACLE, timeout=400)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qgz_equals_a_reduce_scatter_up_to_quantization_error(results, bits):
+    """Each of the k=2 local contributions loses at most half a step (absmax / 2 qmax) in hop 1,
+    each of the M=2 node sums (|.| <= 2 absmax) as much again in hop 2. A wrong order of the
+    chunks is off by O(the values themselves)."""
+    qmax = {4: 7, 8: 127}[bits]
+    for rank in range(WORLD):
+        err, amax = results[rank]["collectives"][f"rs{bits}"]
+        bound = (2 * amax + 2 * (2 * amax * (1 + 1 / qmax))) / (2 * qmax)
+        assert err <= bound, (rank, err, bound)
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_qwz_gather_within_half_a_step(results, dtype):
+    for rank in range(WORLD):
+        err, amax, same_dtype = results[rank]["collectives"][f"ag-{dtype}"]
+        # half an int8 step, plus bf16's own rounding of the result (2^-8 relative)
+        bound = amax / 254 + (amax / 256 if dtype.endswith("bfloat16") else 0)
+        assert same_dtype and err <= bound * 1.0001, (rank, err, bound)
 
 
 def _inter(r, op=None):
@@ -160,3 +212,33 @@ def plain_blocks(n):
     from zeroshard.comm import QGZ_BITS, plan_blocks
 
     return plan_blocks(n, QGZ_BITS)
+
+
+ZPP_OF = {"plain": {}, "hpz": {"hpz_partition_size": 2}, "qwz": {"quantized_weights": True},
+          "qgz": {"quantized_gradients": True},
+          "all": {"hpz_partition_size": 2, "quantized_weights": True, "quantized_gradients": True}}
+
+
+@pytest.mark.parametrize("key", list(RUNS))
+def test_estimator_bytes_by_scope_equal_the_ledger(results, key):
+    """`estimate_comm(..., layout=the engine's units)` on 2 nodes x 2: the sent bytes per scope and
+    collective equal the ledger's last step exactly, and the hpZ secondary its memory."""
+    from zeroshard.estimate import Strategy, estimate_comm, estimate_memory, shape_from_params
+    from zeroshard.estimate.padding import plan_stage3_layout
+    from zeroshard.policies import Precision
+
+    precision = Precision.BF16 if key.endswith("bf16") else Precision.FP32
+    strategy = Strategy(stage=3, precision=precision, optimizer="adamw", **ZPP_OF[key.replace("-bf16", "")])
+    for rank in range(WORLD):
+        r = results[rank][key]
+        padded = [p for unit in r["units"] for p in unit]
+        layout = plan_stage3_layout(padded, precision, WORLD)
+        est = estimate_comm(sum(padded), strategy, WORLD // PER_NODE, PER_NODE, layout=layout)
+        want = est.sent_by_scope()
+        got = {scope: {op: v["sent_bytes"] for op, v in ops.items() if v["sent_bytes"]}
+               for scope, ops in r["scoped"].items()}
+        assert got == want, (key, rank)
+        if strategy.hpz_partition_size > 1 and key == "hpz":
+            mem = estimate_memory(shape_from_params(sum(padded)), strategy, WORLD, PER_NODE)
+            plain = results[rank]["plain"]["mem"]["peak_params"]
+            assert mem.hpz_secondary == r["mem"]["peak_params"] - plain

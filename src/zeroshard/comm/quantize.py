@@ -2,8 +2,8 @@
 torch ops, no Python loop over blocks.
 
 A row of `n` values is cut into `nb = ceil(n / max_block)` blocks of equal size
-`block = ceil(n / nb)` (even for int4: two values share a byte); the last block is
-padded with zeros, so any size works and at most `nb - 1` (+1 for int4) padding values
+`block = ceil(n / nb)` (rounded up to even for int4: two values share a byte); the last block is
+padded with zeros, so any size works and fewer than `nb` (int4: `2 nb`) padding values
 travel. Each block keeps one fp32 scale, `absmax / qmax` (qmax 127 for int8, 7 for
 int4), and values are rounded to the nearest step: the error of an element is at most
 scale / 2 = absmax / (2 qmax) of its block.
@@ -69,16 +69,20 @@ def quantize(x: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, torch.Tenso
     scales fp32 (rows, count)."""
     rows = x.reshape(-1, blocks.n)
     r = rows.shape[0]
-    padded = torch.zeros(r, blocks.padded, dtype=torch.float32, device=x.device)
-    padded[:, : blocks.n] = rows  # fp32: exact for bf16 and fp32 inputs
-    v = padded.view(r, blocks.count, blocks.size)
+    if blocks.padded == blocks.n:
+        v = rows.view(r, blocks.count, blocks.size)  # read as it is; the fp32 math below copies once
+    else:
+        v = torch.zeros(r, blocks.padded, dtype=torch.float32, device=x.device)
+        v[:, : blocks.n] = rows  # fp32: exact for bf16 and fp32 inputs
+        v = v.view(r, blocks.count, blocks.size)
     qmax = _QMAX[blocks.bits]
-    scales = v.abs().amax(dim=2) / qmax
+    scales = v.abs().amax(dim=2).float() / qmax  # the absmax of bf16 values is a bf16 value: exact
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    q = torch.round(v * inv.unsqueeze(2)).clamp_(-qmax, qmax)
+    q = torch.mul(v, inv.unsqueeze(2))  # fp32 (inv is fp32): the one full-size float temporary
+    q.round_().clamp_(-qmax, qmax)
     if blocks.bits == 8:
         return q.to(torch.int8).view(r, blocks.padded), scales
-    u = (q + 8).to(torch.uint8).view(r, blocks.padded // 2, 2)  # 1..15: fits a nibble
+    u = q.add_(8).to(torch.uint8).view(r, blocks.padded // 2, 2)  # 1..15: fits a nibble
     packed = u[:, :, 0] | (u[:, :, 1] << 4)
     return packed.view(torch.int8), scales
 
@@ -91,6 +95,9 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
         q = payload.reshape(r, blocks.padded).to(torch.float32)
     else:
         u = payload.reshape(r, blocks.padded // 2).view(torch.uint8)
-        q = torch.stack(((u & 15), (u >> 4)), dim=2).view(r, blocks.padded).to(torch.float32) - 8
-    v = q.view(r, blocks.count, blocks.size) * scales.unsqueeze(2)
+        q = torch.empty(r, blocks.padded // 2, 2, dtype=torch.float32, device=payload.device)
+        q[:, :, 0].copy_(u & 15)
+        q[:, :, 1].copy_(u >> 4)
+        q = q.view(r, blocks.padded).sub_(8)
+    v = q.view(r, blocks.count, blocks.size).mul_(scales.unsqueeze(2))
     return v.view(r, blocks.padded)[:, : blocks.n].to(dtype)

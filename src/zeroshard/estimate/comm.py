@@ -15,10 +15,19 @@ ranks sends S*(M-1)/(M*k) between nodes and S*(k-1)/k inside a node per rank for
 payload of S bytes; the two add up to the flat ring's S*(N-1)/N.
 
 ZeRO++ (Wang et al. 2023): qwZ sends the forward all-gather as int8 with one fp32
-scale per block; hpZ serves the backward all-gather from a secondary copy sharded
-inside the node, so it never crosses nodes; qgZ replaces the gradient
-reduce-scatter with a two-hop all-to-all of int4 (or int8) values, intra-node then
-inter-node, each hop carrying only what the next needs.
+scale per block (and the backward one too when hpZ is off); hpZ serves the backward
+all-gather from a secondary copy sharded inside the node, so it never crosses nodes;
+qgZ replaces the gradient reduce-scatter with a two-hop all-to-all of int4 values,
+intra-node then inter-node, each hop carrying only what the next needs. Quantized
+bytes follow the engine's blocking (`comm.quantize.plan_blocks`: a row of r values in
+ceil(r / 2048) equal blocks, padded, one fp32 scale each): qwZ blocks each rank's shard,
+qgZ's hop 1 each of the k parts of a bucket (P/k values), hop 2 each of the M rows (P/N).
+
+Scope (`CommEstimate.sent_by_scope`, what `engine.comm_stats(by_scope=True)` records): a
+collective counts wholly as inter-node when its group spans nodes (the world group on
+more than one node), as intra-node when it stays in one (hpZ's backward gather, qgZ's
+hop 1); qgZ's hop 2 runs on the inter-node group. (`intra_bytes` / `inter_bytes` are the
+link-level split of a two-level ring instead, for the time model.)
 
 Gradient accumulation: stage 0 and 1 reduce once per step; stage 2 reduce-scatters
 every micro-step (no full gradient is kept); stage 3 also gathers every micro-step.
@@ -70,15 +79,35 @@ class Collective:
     intra_bytes: int  # of sent_bytes, inside the node
     inter_bytes: int  # of sent_bytes, between nodes
     overlappable: bool  # can hide behind compute (bucketed during backward, or prefetched)
+    scope: str = "world"  # the group it runs on: "world", "node" (inside one node), "two_hop" (qgZ)
 
 
 @dataclass(frozen=True)
 class CommEstimate:
     collectives: tuple[Collective, ...]
     params: int
+    nodes: int = 1
 
     def total(self, key: str) -> int:
         return sum(getattr(c, key) for c in self.collectives)
+
+    def sent_by_scope(self) -> dict[str, dict[str, int]]:
+        """{"intra_node": {op: sent bytes}, "inter_node": {op: ...}} per step, as the engine's
+        ledger scopes calls: a call on a group spanning nodes is inter-node."""
+        out: dict[str, dict[str, int]] = {"intra_node": {}, "inter_node": {}}
+
+        def put(scope: str, op: str, nbytes: int) -> None:
+            out[scope][op] = out[scope].get(op, 0) + nbytes
+
+        for c in self.collectives:
+            if c.scope == "two_hop":
+                put("intra_node", c.op, c.intra_bytes)
+                put("inter_node", c.op, c.inter_bytes)
+            elif c.scope == "node" or self.nodes == 1:
+                put("intra_node", c.op, c.sent_bytes)
+            else:
+                put("inter_node", c.op, c.sent_bytes)
+        return out
 
     @property
     def paper_units(self) -> float:
@@ -88,7 +117,8 @@ class CommEstimate:
     def as_dict(self) -> dict:
         keys = ("elements", "bytes", "paper_elements", "sent_bytes", "intra_bytes", "inter_bytes")
         return {"collectives": [asdict(c) for c in self.collectives],
-                "totals": {k: self.total(k) for k in keys}, "paper_units_of_params": self.paper_units}
+                "totals": {k: self.total(k) for k in keys}, "paper_units_of_params": self.paper_units,
+                "sent_by_scope": self.sent_by_scope()}
 
 
 def ring_split(payload: float, nodes: int, per_node: int) -> tuple[int, int]:
@@ -101,9 +131,14 @@ def ring_split(payload: float, nodes: int, per_node: int) -> tuple[int, int]:
 
 
 def _quantized_bytes(elements: int, bits: int, n_shards: int) -> int:
-    per_shard = math.ceil(elements / n_shards)
-    scales = math.ceil(per_shard / QUANT_BLOCK_SIZE) * n_shards * QUANT_SCALE_BYTES
-    return int(math.ceil(elements * bits / 8)) + scales
+    """A tensor of `elements` cut in `n_shards` rows, each block-quantized to `bits` (the
+    engine's blocking, comm.quantize.plan_blocks): payload with padding, plus the scales."""
+    row = math.ceil(elements / n_shards)
+    count = math.ceil(row / QUANT_BLOCK_SIZE)
+    size = math.ceil(row / count)
+    if bits == 4 and size % 2:
+        size += 1
+    return n_shards * (count * size * bits // 8 + count * QUANT_SCALE_BYTES)
 
 
 def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: int,
@@ -136,7 +171,7 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
     out: list[Collective] = []
 
     def add(phase, op, what, calls, elements, payload, overlap, group_nodes=nodes, group_per_node=gpus_per_node,
-            dtype_=dtype, split=None, launches=1):
+            dtype_=dtype, split=None, launches=1, scope="world"):
         """`calls` repeats per step of a whole-model collective of `elements`, issued as
         `launches` collectives (buckets) each time."""
         factor = 2 if op == "all_reduce" else 1
@@ -148,7 +183,8 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
         out.append(Collective(phase=phase, op=op, what=what, dtype=dtype_, calls=calls * launches,
                               elements=elements * calls, bytes=int(payload) * calls,
                               paper_elements=factor * elements * calls, sent_bytes=(intra + inter) * calls,
-                              intra_bytes=intra * calls, inter_bytes=inter * calls, overlappable=overlap))
+                              intra_bytes=intra * calls, inter_bytes=inter * calls, overlappable=overlap,
+                              scope=scope))
 
     if s.stage == Stage.DATA_PARALLEL:
         add("backward", "all_reduce", "gradients", 1, padded, gb * padded, s.overlap_comm, launches=buckets)
@@ -158,31 +194,40 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
             s.stage == Stage.GRADIENTS and s.overlap_comm, launches=buckets)
         add("step", "all_gather", "updated parameters", 1, padded, pb * padded, False, launches=gathers)
     else:
+        # buckets as the engine gathers and reduces them: one per unit (with a layout), frozen
+        # parameters as one more gathered bucket; without a layout the model is one bucket
+        reduced = list(layout.padded) if layout is not None else [padded]
+        gathered_buckets = reduced + ([shard(frozen, n) * n] if frozen else [])
+        hp, k_, m_ = s.hpz_partition_size, gpus_per_node, nodes
+        if hp > 1 and gpus_per_node % hp:
+            raise ConfigError(f"zero_hpz_partition_size {hp} must divide gpus per node {gpus_per_node}")
+        qwz_bytes = sum(_quantized_bytes(b, 8 * INT8_BYTES, n) for b in gathered_buckets)
+        n_units = len(gathered_buckets) if layout is not None else 1
         if s.quantized_weights:
-            add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered,
-                _quantized_bytes(gathered, 8 * INT8_BYTES, n), True, dtype_="int8")
+            add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered, qwz_bytes, True,
+                dtype_="int8", launches=n_units)
         else:
-            add("forward", "all_gather", "parameters", gas, gathered, pb * gathered, True)
-        if s.hpz_partition_size > 1:
-            hp = s.hpz_partition_size
-            if gpus_per_node % hp:
-                raise ConfigError(f"zero_hpz_partition_size {hp} must divide gpus per node {gpus_per_node}")
-            hp_padded = shard(params + frozen, hp) * hp
-            add("backward", "all_gather", f"parameters (hpZ, within {hp} ranks)", gas, hp_padded,
-                pb * hp_padded, True, group_nodes=1, group_per_node=hp)
+            add("forward", "all_gather", "parameters", gas, gathered, pb * gathered, True, launches=n_units)
+        if hp > 1:
+            add("backward", "all_gather", f"parameters (hpZ, within {hp} ranks)", gas, gathered,
+                pb * gathered, True, group_nodes=1, group_per_node=hp, scope="node", launches=n_units)
+        elif s.quantized_weights:
+            add("backward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered, qwz_bytes, True,
+                dtype_="int8", launches=n_units)
         else:
-            add("backward", "all_gather", "parameters", gas, gathered, pb * gathered, True)
-        if s.quantized_gradients:
-            # hop 1: all-to-all inside the node of the full gradient, int4 + scales;
-            # hop 2: all-to-all across nodes of the node-reduced 1/k slice, int4 + scales.
-            payload = _quantized_bytes(padded, QGZ_BITS, n)
-            intra = payload * (gpus_per_node - 1) / gpus_per_node
-            inter = (payload / gpus_per_node) * (nodes - 1) / nodes
-            add("backward", "all_to_all", f"gradients (qgZ int{QGZ_BITS}, 2-hop)", gas, padded, payload, True,
-                dtype_=f"int{QGZ_BITS}", split=(int(round(intra)), int(round(inter))))
+            add("backward", "all_gather", "parameters", gas, gathered, pb * gathered, True, launches=n_units)
+        if s.quantized_gradients and n > 1:
+            # hop 1: all-to-all inside the node of the full gradient (k parts of P/k), int4 + scales;
+            # hop 2: all-to-all across nodes of the node-reduced 1/k slice (M rows of P/N).
+            hop1 = sum(_quantized_bytes(b, QGZ_BITS, k_) for b in reduced) if k_ > 1 else 0
+            hop2 = sum(_quantized_bytes(b // k_, QGZ_BITS, m_) for b in reduced) if m_ > 1 else 0
+            intra = hop1 * (k_ - 1) // k_
+            inter = hop2 * (m_ - 1) // m_
+            add("backward", "all_to_all", f"gradients (qgZ int{QGZ_BITS}, 2-hop)", gas, padded, hop1 + hop2, True,
+                dtype_=f"int{QGZ_BITS}", split=(intra, inter), scope="two_hop", launches=2 * len(reduced))
         else:
-            add("backward", "reduce_scatter", "gradients", gas, padded, gb * padded, True)
+            add("backward", "reduce_scatter", "gradients", gas, padded, gb * padded, True, launches=len(reduced))
     if s.stage >= Stage.OPTIMIZER_STATES and (s.compute_grad_norm or s.precision == Precision.FP16) and n > 1:
         add("step", "all_reduce", "global gradient norm", 1, 1, FP32_BYTES, False, dtype_="fp32")
-    return CommEstimate(collectives=tuple(out), params=params + frozen)
+    return CommEstimate(collectives=tuple(out), params=params + frozen, nodes=nodes)
 
