@@ -140,6 +140,7 @@ class ShardedOptimizer:
         self._stepped.add(k)
         grads = self._staging.finish(self._staging.start(self._sub_groups[k], grad_shard))
         self._step_sub_group(k, grads, scale, after_bucket)
+        self._count_states()  # a first step creates states: the ledger sees them when they exist
 
     def _step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float,
                         after_bucket: Callable[[int], None]) -> None:
