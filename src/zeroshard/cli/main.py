@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("train", "launch", "estimate", "plan", "export", "inspect")
+COMMANDS = ("train", "launch", "estimate", "plan", "bench", "export", "inspect")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,9 @@ C = n_embd, L = n_layer, with biases: V*C + T*C + L*(12*C*C + 13*C) + 2*C.
     tiny    64   16   2  2      32       28,032
     mini    256  64   4  4      128     834,304
     small   256  128  6  6      384  10,795,008
+    10m     256  128  6  6      384  10,795,008   (small, named by size for `zeroshard bench`)
     50m     256  256  8  11     704  48,014,208
+    150m    256  256  12 16    1024 151,681,024
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "mini": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128),
     "small": GPTConfig(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_embd=384),
     "50m": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=11, n_embd=704),
+    "150m": GPTConfig(vocab_size=256, block_size=256, n_layer=12, n_head=16, n_embd=1024),
 }
+GPT_PRESETS["10m"] = GPT_PRESETS["small"]  # the benchmark sizes are 10m / 50m / 150m
 
 
 class CausalSelfAttention(nn.Module):
@@ -146,7 +150,7 @@ class GPT(nn.Module):
 
 
 def build_gpt(preset: str | GPTConfig) -> GPT:
-    """A GPT from a preset name ("tiny", "mini", "small", "50m") or an explicit config."""
+    """A GPT from a preset name ("tiny", "mini", "small", "10m", "50m", "150m") or an explicit config."""
     if isinstance(preset, GPTConfig):
         return GPT(preset)
     if preset not in GPT_PRESETS:

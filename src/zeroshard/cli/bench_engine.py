@@ -1,0 +1,75 @@
+"""zeroshard's rows of `zeroshard bench`: the engine built from the same DeepSpeed-style
+config a user writes (the shared optimizer, no clipping, the system's `zero_optimization`
+keys; everything else left to zeroshard's defaults), and its ledgers read for the report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.cli.bench_peers import AdamW
+from zeroshard.cli.bench_systems import BenchSystem
+from zeroshard.comm import PAPER_FACTOR
+
+__all__ = ["EngineRunner", "bench_config"]
+
+
+def bench_config(system: BenchSystem, micro_batch: int, bf16: bool, unit_classes: list[str],
+                 scratch: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+        "optimizer": AdamW.config(),
+        "zero_optimization": system.zero_config(scratch),
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if system.stage == 3 and unit_classes:
+        cfg["zeroshard"] = {"stage3_unit_classes": list(unit_classes)}
+    return cfg
+
+
+class EngineRunner:
+    """Same surface as `bench_peers.PeerRunner`, plus the ledgers."""
+
+    def __init__(self, system: BenchSystem, module: nn.Module, unit_classes: list[str], micro_batch: int,
+                 bf16: bool, scratch: str) -> None:
+        self.config = bench_config(system, micro_batch, bf16, unit_classes, scratch)
+        self.engine = zeroshard.initialize(module, self.config)
+        self.module = self.engine.module
+        self.topology = self.engine.topology
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = self.engine(x, y)[1]
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach().float())
+
+    def start_window(self) -> None:
+        """The measured steps start: ledgers count from here."""
+        self.engine.reset_comm_stats()
+        self.engine.reset_memory_stats()
+
+    def ledgers(self, steps: int) -> dict[str, Any]:
+        """comm_stats() per step (the window's totals over `steps`) and memory_stats()."""
+        comm = self.engine.comm_stats()
+        per_step = {op: {k: v / steps for k, v in s.items()} for op, s in comm.items() if s["calls"]}
+        paper = sum(PAPER_FACTOR[op] * s["elements"] for op, s in per_step.items())
+        return {"comm_per_step": per_step, "paper_elements_per_step": paper,
+                "sent_bytes_per_step": sum(s["sent_bytes"] for s in per_step.values()),
+                "memory": self.engine.memory_stats(),
+                "trainable": sum(p.numel() for p in self.module.parameters() if p.requires_grad)}
+
+    def model_states(self, x, y) -> dict[str, int]:
+        """At rest after the measured steps, from the memory ledger (no extra step)."""
+        mem = self.engine.memory_stats()
+        return {k: mem[k] for k in ("params", "grads", "optimizer_states")}
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,230 @@
+"""The systems `zeroshard bench` compares zeroshard with, each built as its users build it:
+DDP, DDP + ZeroRedundancyOptimizer, FSDP2 (`fully_shard`) and DeepSpeed (optional, never a
+zeroshard dependency). Their own collectives are theirs; this module only builds them,
+steps them and counts the tensors they hold.
+
+Every runner has the same surface: `step(x, y) -> loss` (forward, backward, optimizer step,
+gradients cleared), `module`, `model_states()` (bytes by category, counted from the real
+tensors after a backward and after a step, each storage once) and `close()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.cli.bench_systems import BenchSystem
+
+__all__ = ["AdamW", "PeerRunner", "TensorCount", "build_peer"]
+
+
+class AdamW:
+    """The optimizer every system gets: torch AdamW with the fused CPU/CUDA kernel."""
+    lr, betas, eps, weight_decay = 1e-4, (0.9, 0.999), 1e-8, 0.01
+
+    @classmethod
+    def kwargs(cls) -> dict[str, Any]:
+        return dict(lr=cls.lr, betas=cls.betas, eps=cls.eps, weight_decay=cls.weight_decay)
+
+    @classmethod
+    def config(cls) -> dict[str, Any]:
+        """The same optimizer as a DeepSpeed-style config entry."""
+        return {"type": "AdamW", "params": {**cls.kwargs(), "betas": list(cls.betas)}}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The storage a rank really holds for `t`: a DTensor's local shard, DeepSpeed's stage-3 shard."""
+    if hasattr(t, "ds_tensor"):
+        return t.ds_tensor
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) and type(t).__name__ == "DTensor" else t
+
+
+class TensorCount:
+    """Bytes by category, each storage counted once (first category to claim it wins)."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+        self.bytes = {"params": 0, "grads": 0, "optimizer_states": 0}
+
+    def add(self, category: str, t) -> None:
+        if not torch.is_tensor(t):
+            return
+        t = _local(t)
+        if t.numel() == 0:
+            return
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self._seen:
+            return
+        self._seen.add(storage.data_ptr())
+        self.bytes[category] += storage.nbytes()
+
+    def add_all(self, category: str, value) -> None:
+        if torch.is_tensor(value):
+            self.add(category, value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                self.add_all(category, v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self.add_all(category, v)
+
+
+def _inner_optimizers(opt) -> list[torch.optim.Optimizer]:
+    """The torch optimizers holding state: the object itself and what it wraps."""
+    out, seen = [], set()
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        if isinstance(opt, torch.optim.Optimizer):
+            out.append(opt)
+        opt = getattr(opt, "optim", None) or getattr(opt, "optimizer", None)
+    return out
+
+
+def count_states(module: nn.Module, optimizer, internals: dict[str, Any] | None = None) -> dict[str, int]:
+    """Parameters, gradients (`.grad` and the wrapper's gradient partitions in `internals`),
+    optimizer states and fp32 masters (tensors of the optimizers' param groups that are not
+    the module's parameters: counted as optimizer states, as zeroshard's ledger does)."""
+    count = TensorCount()
+    params = list(module.parameters())
+    for p in params:
+        count.add("params", p)
+    for p in params:
+        count.add("grads", p.grad)
+    for name, value in (internals or {}).items():
+        count.add_all("grads", value)
+    for opt in _inner_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                count.add("grads", p.grad)
+        for state in opt.state.values():
+            count.add_all("optimizer_states", [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0])
+        for group in opt.param_groups:
+            for p in group["params"]:
+                count.add("optimizer_states", p)
+    return count.bytes
+
+
+class PeerRunner:
+    def __init__(self, module: nn.Module, wrapper, optimizer, autocast: bool) -> None:
+        self.module, self.wrapper, self.optimizer = module, wrapper, optimizer
+        self._autocast = autocast
+        self._after_backward: dict[str, int] = {}
+
+    def _context(self):
+        if self._autocast:
+            return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, x, y) -> torch.Tensor:
+        with self._context():
+            loss = self.wrapper(x, y)[1]
+        loss.backward()
+        return loss
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, x, y) -> float:
+        loss = self.forward_backward(x, y)
+        self.optimizer_step()
+        return float(loss.detach().float())
+
+    def internals(self) -> dict[str, Any]:
+        return {}
+
+    def model_states(self, x, y) -> dict[str, int]:
+        """One untimed step: the larger of each category after backward and after the step."""
+        self.forward_backward(x, y)
+        after_backward = count_states(self.module, self.optimizer, self.internals())
+        self.optimizer.step()
+        after_step = count_states(self.module, self.optimizer, self.internals())
+        self.optimizer.zero_grad(set_to_none=True)
+        return {k: max(after_backward[k], after_step[k]) for k in after_backward}
+
+    def close(self) -> None:
+        pass
+
+
+class DeepSpeedRunner(PeerRunner):
+    def forward_backward(self, x, y) -> torch.Tensor:
+        loss = self.wrapper(x, y)[1]
+        self.wrapper.backward(loss)
+        return loss
+
+    def optimizer_step(self) -> None:
+        self.wrapper.step()
+
+    def internals(self) -> dict[str, Any]:
+        """DeepSpeed keeps reduced gradient partitions in its optimizer's attributes, not in `.grad`."""
+        opt = self.wrapper.optimizer
+        return {name: value for name, value in vars(opt).items()
+                if "grad" in name.lower() and isinstance(value, (torch.Tensor, list, dict, tuple))}
+
+    def model_states(self, x, y) -> dict[str, int]:
+        self.forward_backward(x, y)
+        after_backward = count_states(self.module, self.optimizer, self.internals())
+        self.wrapper.step()
+        after_step = count_states(self.module, self.optimizer, self.internals())
+        return {k: max(after_backward[k], after_step[k]) for k in after_backward}
+
+
+def build_peer(system: BenchSystem, module: nn.Module, unit_classes: list[str], micro_batch: int,
+               bf16: bool, device: torch.device) -> PeerRunner:
+    """The peer `system` over `module` (already on every rank with the same weights)."""
+    module.to(device)
+    if system.family in ("ddp", "zero1_torch"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapper = DDP(module, gradient_as_bucket_view=True)
+        if system.family == "ddp":
+            opt = torch.optim.AdamW(wrapper.parameters(), fused=True, **AdamW.kwargs())
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(wrapper.parameters(), optimizer_class=torch.optim.AdamW, fused=True,
+                                          **AdamW.kwargs())
+        return PeerRunner(module, wrapper, opt, autocast=bf16)
+    if system.family == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 \
+            else {}
+        for m in module.modules():
+            if type(m).__name__ in unit_classes:
+                fully_shard(m, **kw)
+        fully_shard(module, **kw)
+        opt = torch.optim.AdamW(module.parameters(), fused=True, **AdamW.kwargs())
+        return PeerRunner(module, module, opt, autocast=False)
+    if system.family == "deepspeed":
+        return _deepspeed(system, module, micro_batch, bf16)
+    raise ValueError(f"{system.name}: not a peer system (family {system.family})")
+
+
+def _deepspeed(system: BenchSystem, module: nn.Module, micro_batch: int, bf16: bool) -> DeepSpeedRunner:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,
+        "zero_optimization": system.zero_config(""),
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "wall_clock_breakdown": False,
+    }
+    client = None
+    if system.offload:  # DeepSpeed's own host kernel, as its offload users get
+        cfg["optimizer"] = AdamW.config()
+    else:  # the same fused torch kernel as every other system
+        client = torch.optim.AdamW(module.parameters(), fused=True, **AdamW.kwargs())
+    engine, opt, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
+                                             optimizer=client, config=cfg, dist_init_required=False)
+    return DeepSpeedRunner(engine.module, engine, opt, autocast=False)

@@ -1,0 +1,97 @@
+"""`zeroshard bench`'s numbers: one system's rank files merged into its row, the ratios
+between rows, and the ZeRO formula each zeroshard row is checked against. Pure functions
+over plain dicts (what the JSON holds), so tests can recompute every figure.
+
+Step time: per step the slowest rank's time (barrier to end of optimizer step); median,
+min and max over the measured steps. Tokens/s: tokens of one global batch / median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["PAIRS", "formula_bytes", "loss_agreement", "merge_ranks", "ratios", "stage_phi"]
+
+MiB = 2**20
+
+# ratios of median step times worth reading beside "x DDP": (system, baseline)
+PAIRS = (("zs2", "ds2"), ("zs3", "fsdp2"), ("zs3", "ds3"), ("zs2_offload", "zs2"), ("zs3_offload", "zs3"),
+         ("zs2_offload", "ds2_offload"), ("zs3_offload", "ds3_offload"), ("zs2_no_overlap", "zs2"),
+         ("zs2_no_contiguous", "zs2"), ("zs3_defaults", "zs3"), ("fsdp2", "ddp"))
+
+# The ZeRO paper's volume per step in units of Phi (DESIGN.md section 1): every system moves
+# 2 Phi through stages 0-2 and 3 Phi at stage 3.
+_PAPER_PHI = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}
+
+
+def stage_phi(stage: int) -> float:
+    return _PAPER_PHI[stage]
+
+
+def formula_bytes(stage: int, phi: int, trainable: int, world: int, bf16: bool) -> dict[str, float]:
+    """Model states per rank at rest by the ZeRO formula (DESIGN.md section 1): parameters and
+    gradients in the compute dtype; Adam's two fp32 moments, plus an fp32 master in bf16 (in
+    fp32 the parameter shard is its own master: K = 8, else 12)."""
+    item = 2 if bf16 else 4
+    k = 12 if bf16 else 8
+    p, g, o = item * phi, item * trainable, k * trainable
+    shard = {0: (1, 1, 1), 1: (1, 1, world), 2: (1, world, world), 3: (world, world, world)}[stage]
+    out = {"params": p / shard[0], "grads": g / shard[1], "optimizer_states": o / shard[2]}
+    out["model_states"] = sum(out.values())
+    return out
+
+
+def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) -> dict[str, Any]:
+    """One system's row from its ranks' results (each as bench_worker writes it)."""
+    per_rank = sorted(per_rank, key=lambda r: r["rank"])
+    r0 = per_rank[0]
+    warm = r0["warmup"]
+    slowest = [max(r["step_times_s"][i] for r in per_rank) for i in range(len(r0["step_times_s"]))]
+    timed = slowest[warm:]
+    median = statistics.median(timed)
+    world = r0["world_size"]
+    tokens = world * micro_batch * seq_len
+    losses = [sum(r["losses"][i] for r in per_rank) / len(per_rank) for i in range(len(r0["losses"]))]
+    row: dict[str, Any] = {
+        "system": r0["system"], "world_size": world, "phi": r0["phi"], "threads": r0["threads"],
+        "step_time_s": {"median": median, "min": min(timed), "max": max(timed), "steps": timed},
+        "tokens_per_step": tokens, "tokens_per_s": tokens / median,
+        "peak_rss_mib": [r["peak_rss_kib"] / 1024 for r in per_rank],
+        "peak_rss_reset": all(r["peak_rss_reset"] for r in per_rank),
+        "model_states": [r["model_states"] for r in per_rank],
+        "losses": losses, "init_s": r0["init_s"],
+    }
+    if "ledgers" in r0:
+        led = r0["ledgers"]
+        row["ledger"] = {
+            "memory": [r["ledgers"]["memory"] for r in per_rank],
+            "comm_per_step": led["comm_per_step"],
+            "paper_elements_per_step": led["paper_elements_per_step"],
+            "phi_per_step": led["paper_elements_per_step"] / r0["phi"],
+            "sent_bytes_per_step": led["sent_bytes_per_step"],
+            "trainable": led["trainable"],
+        }
+        row["config"] = r0["config"]
+    return row
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Median step time of a row over another's: every row over DDP, then PAIRS."""
+    med = {name: row["step_time_s"]["median"] for name, row in rows.items()}
+    out = {}
+    if "ddp" in med:
+        out.update({f"{name}/ddp": m / med["ddp"] for name, m in med.items() if name != "ddp"})
+    for a, b in PAIRS:
+        if a in med and b in med and f"{a}/{b}" not in out:
+            out[f"{a}/{b}"] = med[a] / med[b]
+    return out
+
+
+def loss_agreement(rows: dict[str, dict[str, Any]], reference: str = "ddp") -> dict[str, float]:
+    """Largest |loss - reference loss| over all steps, per row (the global-batch mean loss)."""
+    if reference not in rows:
+        return {}
+    ref = rows[reference]["losses"]
+    return {name: max(abs(a - b) for a, b in zip(row["losses"], ref))
+            for name, row in rows.items() if name != reference}
