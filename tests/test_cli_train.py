@@ -155,4 +155,5 @@ def test_train_options_are_frozen():
     options = {o for a in sub.choices["train"]._actions for o in a.option_strings}
     assert options == {"-h", "--help", "--config", "--model", "--data", "--stage", "--steps", "--seq-len",
                        "--micro-batch", "--lora", "--bf16", "--save", "--save-every", "--resume", "--report",
-                       "--seed", "--offload", "--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port"}
+                       "--seed", "--offload", "--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                       "--max-restarts", "--reload-checkpoints", "--resource-log"}

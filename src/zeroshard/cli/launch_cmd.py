@@ -52,6 +52,9 @@ def add_rendezvous_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default 0)")
     p.add_argument("--master-addr", help="address of node 0, reachable from every node (multi-node)")
     p.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a rank fails, stop every rank and start them again, up to N times "
+                        "(torchrun's --max-restarts; default 0)")
 
 
 def add_deepspeed_launcher_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,6 +158,8 @@ def check_rendezvous(args: argparse.Namespace) -> str | None:
         return f"--nnodes {args.nnodes} needs --master-addr (the address of node 0)"
     if not 0 < args.master_port < 65536:
         return f"--master-port {args.master_port} is not a TCP port"
+    if getattr(args, "max_restarts", 0) < 0:
+        return f"--max-restarts must be 0 or more, got {args.max_restarts}"
     return None
 
 
@@ -169,11 +174,20 @@ def torchrun_command(args: argparse.Namespace, target: list[str]) -> list[str]:
     else:
         cmd += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
                 f"--master-addr={args.master_addr}", f"--master-port={args.master_port}"]
+    restarts = getattr(args, "max_restarts", 0)
+    if restarts:
+        cmd.append(f"--max-restarts={restarts}")
     return [*cmd, f"--nproc-per-node={args.nproc}", *target]
 
 
 def run_torchrun(cmd: list[str], extra_env: dict[str, str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
+    if any(a.startswith("--max-restarts=") for a in cmd):  # written by torchrun_command when N > 0
+        # torchrun shares its rendezvous store with the workers by default, and a restarted worker
+        # can read the previous attempt's address of a peer from it and fail to connect
+        # (pytorch/pytorch#135712; seen here as gloo "Connection refused" in the restarted attempt).
+        # Without the sharing each round gets a fresh store.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:

@@ -47,7 +47,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-path", metavar="DIR", help="with --offload nvme: a directory on a fast local drive")
     p.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR every --save-every steps and at the end")
     p.add_argument("--save-every", type=int, default=100, metavar="K", help="steps between checkpoints (default 100)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save DIR")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --save DIR, an error if there is none (a run "
+                        "whose --save DIR holds a checkpoint continues from it even without --resume)")
+    p.add_argument("--reload-checkpoints", action="store_true",
+                   help="after each checkpoint, load it back and continue from what was read (checks every save)")
+    p.add_argument("--resource-log", metavar="DIR",
+                   help="each rank appends its RSS, open files and threads to DIR/rank<r>.jsonl at every "
+                        "checkpoint (soak tests; Linux)")
     p.add_argument("--report", default=REPORT_DEFAULT, metavar="PATH",
                    help=f"PNG with the loss curve and memory breakdown (default ./{REPORT_DEFAULT}; '' for none)")
     p.add_argument("--seed", type=int, default=0)
@@ -57,6 +64,7 @@ def check_train_args(args: argparse.Namespace) -> str | None:
     """The first problem with the arguments, as one line, or None. Runs before any rank starts."""
     from zeroshard.cli.train_data import check_data
     from zeroshard.cli.train_model import check_model
+    from zeroshard.cli.train_resources import check_resource_log
 
     if args.steps < 1:
         return f"--steps must be at least 1, got {args.steps}"
@@ -71,6 +79,11 @@ def check_train_args(args: argparse.Namespace) -> str | None:
             return "--resume continues from --save DIR: give the checkpoint folder with --save"
         if not os.path.exists(os.path.join(args.save, "latest")):
             return f"--resume: no checkpoint in {args.save} (no 'latest' file)"
+    if args.reload_checkpoints and not args.save:
+        return "--reload-checkpoints reads back what --save DIR writes: give --save"
+    problem = check_resource_log(args.resource_log)
+    if problem:
+        return problem
     if getattr(args, "offload", "none") == "nvme" and not getattr(args, "nvme_path", None):
         return "--offload nvme keeps states in files: give --nvme-path DIR (a directory on a fast local drive)"
     if getattr(args, "nvme_path", None) and getattr(args, "offload", "none") != "nvme":
@@ -109,10 +122,12 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
             "--seed", str(args.seed), "--lora", str(args.lora), "--save-every", str(args.save_every),
             "--report", args.report, "--offload", args.offload]
     for flag, value in (("--config", args.config), ("--data", args.data), ("--stage", args.stage),
-                        ("--micro-batch", args.micro_batch), ("--save", args.save)):
+                        ("--micro-batch", args.micro_batch), ("--save", args.save),
+                        ("--resource-log", args.resource_log)):
         if value is not None:
             argv += [flag, str(value)]
-    argv += [flag for flag, on in (("--bf16", args.bf16), ("--resume", args.resume)) if on]
+    argv += [flag for flag, on in (("--bf16", args.bf16), ("--resume", args.resume),
+                                   ("--reload-checkpoints", args.reload_checkpoints)) if on]
     if getattr(args, "nvme_path", None):
         argv += ["--nvme-path", args.nvme_path]
     return argv

@@ -23,6 +23,8 @@ from zeroshard.cli.train_data import NoTextError, load_tokens, rank_batch
 from zeroshard.cli.train_model import ModelSpecError, TrainModel, build_model
 from zeroshard.cli.train_report import RunRecord, gather_memory, make_progress, memory_line, summary_table, \
     write_report
+from zeroshard.cli.train_resources import ResourceLog
+from zeroshard.cli.train_resume import client_state, describe, kill_hook, resume
 from zeroshard.policies import ZeroShardError
 
 
@@ -48,15 +50,18 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     engine = zeroshard.initialize(tm.module, cfg)
     tokens = load_tokens(args.data, tm.vocab_size)
     rec = _record(engine, tm)
-    if args.resume:
-        client = engine.load_checkpoint(args.save)
-        done = int(client.get("step", engine.global_steps))
-        rec.losses = [float(v) for v in client.get("losses", [])][-done:] if done else []
+    resources = ResourceLog(getattr(args, "resource_log", None), engine.rank)
+    resumed = resume(engine, args)  # --save DIR with a checkpoint: continue from it, never start over
+    if resumed is not None:
+        done = int(resumed.get("step", engine.global_steps))
+        rec.losses = [float(v) for v in resumed.get("losses", [])][-done:] if done else []
         rec.first_step = done - len(rec.losses)  # the curve starts where the recorded losses start
         if engine.rank == 0:
-            console.print(f"resumed at step {done} from {args.save}", highlight=False)
+            console.print(describe(resumed, args.steps), highlight=False, soft_wrap=True)
     start = rec.first_step + len(rec.losses)
-    _loop(engine, tm, tokens, rec, args, start, every, console)
+    resources.record(start, "start")
+    _loop(engine, tm, tokens, rec, args, start, every, console, resources)
+    resources.record(args.steps, "end")
     per_rank = gather_memory(engine)
     shards = engine.world_size if rec.stage > 0 else 1
     if engine.rank == 0:
@@ -79,14 +84,17 @@ def _record(engine, tm: TrainModel) -> RunRecord:
     return rec
 
 
-def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, every: int, console) -> None:
+def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, every: int, console,
+          resources: ResourceLog) -> None:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rec.tokens_per_step *= args.seq_len
     progress = make_progress(console, args.steps, disable=engine.rank != 0)
+    killed_before = kill_hook(engine.rank)  # a test hook; a no-op unless ZEROSHARD_TEST_KILL_AT is set
     started = time.perf_counter()
     with progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=math.nan, tps=0.0)
         for step in range(start, args.steps):
+            killed_before(step)
             engine.reset_comm_stats()
             total = 0.0
             for m in range(gas):
@@ -108,10 +116,12 @@ def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, ever
                     line = memory_line(step + 1, args.steps, total, engine, per_rank, rec.last_comm, rec.phi)
                     progress.console.print(line, highlight=False, soft_wrap=True)
             if args.save and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-                path = engine.save_checkpoint(args.save, client_state={
-                    "step": step + 1, "losses": rec.losses, "model": args.model, "lora": args.lora})
+                path = engine.save_checkpoint(args.save, client_state=client_state(step + 1, rec.losses, args))
                 if engine.rank == 0:
                     progress.console.print(f"checkpoint: {path}", highlight=False)
+                if getattr(args, "reload_checkpoints", False):
+                    engine.load_checkpoint(path)  # continue from what was read back
+                resources.record(step + 1, "checkpoint")
     rec.seconds = time.perf_counter() - started
     rec.steps_run = args.steps - start
     rec.skipped = engine.skipped_steps

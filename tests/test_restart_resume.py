@@ -1,0 +1,139 @@
+"""A restart that resumes: `zeroshard train --save DIR --save-every 4 --max-restarts 1` with rank 1
+killed by SIGKILL at step 6 (after the step-4 checkpoint, before the step-8 one). torchrun
+restarts both ranks; they continue from `latest` (global_step4), redo steps 4-7 on the batches
+the uninterrupted run saw at those steps, and end with the same parameters and optimizer states,
+bit for bit in fp32, as a run that was never interrupted.
+
+The kill comes from the worker's test hook ZEROSHARD_TEST_KILL_AT=RANK:STEP (first attempt only).
+The in-process tests below cover the resume decision itself on one rank."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from checkpoint_files import assert_bit_equal, checkpoint_tensors, client_state
+
+STEPS, EVERY, KILL = 8, 4, 6
+
+
+def _train(cwd, save: str, *extra: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", "ZEROSHARD_TEST_KILL_AT")}
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", "--model", "tiny", "--seq-len", "16",
+           "--micro-batch", "4", "--steps", str(STEPS), "--save", save, "--save-every", str(EVERY),
+           "--report", "", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("restart")
+    ref = _train(cwd, "uninterrupted")
+    killed = _train(cwd, "restarted", "--max-restarts", "1", env_extra={"ZEROSHARD_TEST_KILL_AT": f"1:{KILL}"})
+    return cwd, ref, killed
+
+
+@pytest.mark.timeout(900)  # two torchrun jobs; ~1 min on an idle 2-core machine, far more when it is shared
+def test_the_killed_rank_is_restarted_and_the_job_resumes_from_latest(runs):
+    cwd, ref, killed = runs
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert "exitcode: -9" in killed.stderr  # torchrun saw rank 1 die of SIGKILL, then restarted it
+    out = " ".join(killed.stdout.split())
+    assert "resumed at step 4 from restarted/global_step4 (torchrun restart 1:" in out, out[-3000:]
+    # the second attempt trained steps 4..7 only: 4 steps, not 8 from scratch
+    assert f"for {STEPS - EVERY} steps" in out, out[-2000:]
+    assert "resumed" not in ref.stdout
+    assert (cwd / "restarted" / "latest").read_text().strip() == f"global_step{STEPS}"
+
+
+def test_final_parameters_and_optimizer_states_equal_the_uninterrupted_run_bit_for_bit(runs):
+    cwd, ref, killed = runs
+    assert ref.returncode == 0 and killed.returncode == 0
+    final = f"global_step{STEPS}"
+    assert_bit_equal(checkpoint_tensors(cwd / "uninterrupted" / final), checkpoint_tensors(cwd / "restarted" / final))
+    # the loss of every step (steps 0-3 from the checkpoint, 4-7 recomputed after the restart)
+    a, b = client_state(cwd / "uninterrupted" / final), client_state(cwd / "restarted" / final)
+    assert a["step"] == b["step"] == STEPS and len(a["losses"]) == STEPS
+    assert a["losses"] == b["losses"]
+
+
+# -- the resume decision, in one process (world size 1) --------------------------------------------------
+
+
+@pytest.fixture()
+def engine(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    import zeroshard
+    from zeroshard.cli.train_config import default_config
+    from zeroshard.cli.train_model import build_model
+
+    torch.manual_seed(0)
+    tm = build_model("tiny", 0)
+    eng = zeroshard.initialize(tm.module, default_config(10, 2, tm.unit_classes))
+    x = torch.randint(0, tm.vocab_size, (2, 8))
+    eng.backward(tm.loss(eng, x, x))
+    eng.step()
+    yield eng
+    eng.close()
+
+
+def _args(save, resume=False) -> argparse.Namespace:
+    return argparse.Namespace(save=save and str(save), resume=resume, steps=10, model="tiny", lora=0)
+
+
+def test_resume_decides_from_the_save_folder(engine, tmp_path, monkeypatch):
+    from zeroshard.cli.train_resume import client_state as state_of
+    from zeroshard.cli.train_resume import describe, resume
+    from zeroshard.policies import ConfigError
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert resume(engine, _args(None)) is None  # no --save: nothing to resume
+    assert resume(engine, _args(tmp_path)) is None  # an empty folder: a fresh start
+    with pytest.raises(ConfigError, match="--resume: no checkpoint in"):
+        resume(engine, _args(tmp_path, resume=True))
+    engine.save_checkpoint(tmp_path, client_state=state_of(1, [4.5], _args(tmp_path)))
+    got = resume(engine, _args(tmp_path))  # a plain re-run of the same command continues
+    assert got["step"] == 1 and got["losses"] == [4.5] and got.tag_dir == str(tmp_path / "global_step1")
+    assert "already holds a checkpoint" in got.reason
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    got = resume(engine, _args(tmp_path))
+    assert got.reason.startswith("torchrun restart 2")
+    assert describe(got, 1).endswith("nothing left to train (--steps 1)")
+
+
+def test_the_kill_hook_fires_only_for_its_rank_step_and_first_attempt(monkeypatch):
+    """(That it really kills is seen above: torchrun reports rank 1's exitcode -9.)"""
+    import signal
+
+    from zeroshard.cli import train_resume
+    from zeroshard.policies import ConfigError
+
+    kills = []
+    monkeypatch.setattr(train_resume.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+
+    def fired(rank: int, restart: int) -> list[int]:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+        hook, steps = train_resume.kill_hook(rank), []
+        for step in range(5):
+            before = len(kills)
+            hook(step)
+            steps += [step] * (len(kills) - before)
+        return steps
+
+    monkeypatch.delenv("ZEROSHARD_TEST_KILL_AT", raising=False)
+    assert fired(1, 0) == []  # unset
+    monkeypatch.setenv("ZEROSHARD_TEST_KILL_AT", "1:3")
+    assert fired(1, 0) == [3] and kills[-1] == (os.getpid(), signal.SIGKILL)
+    assert fired(0, 0) == []  # another rank
+    assert fired(1, 1) == []  # torchrun's restarted attempt
+    monkeypatch.setenv("ZEROSHARD_TEST_KILL_AT", "three")
+    with pytest.raises(ConfigError, match="expected RANK:STEP"):
+        train_resume.kill_hook(1)
