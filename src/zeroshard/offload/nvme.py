@@ -145,11 +145,16 @@ class NvmeTier(Tier):
         super().__init__(torch.device("cpu"))
         root = check_path(nvme_path)
         self.removed_stale = sweep_stale(root)
-        self.folder = os.path.join(root, f"{PREFIX}{socket.gethostname()}-{os.getpid()}-r{rank}-{purpose}")
+        name = f"{PREFIX}{socket.gethostname()}-{os.getpid()}-r{rank}-{purpose}"
+        self.folder = os.path.join(root, name)
         try:
-            os.makedirs(self.folder, exist_ok=True)
-            self._lock_fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            # made under a name the sweep ignores, locked, then renamed: a folder the other ranks'
+            # sweeps can see always holds a lock that a live process keeps
+            making = os.path.join(root, f".making-{name}")
+            os.makedirs(making, exist_ok=True)
+            self._lock_fd = os.open(os.path.join(making, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(making, self.folder)
         except OSError as exc:
             raise NvmeError(f"cannot create the run folder {self.folder}: {exc.strerror or exc}; check nvme_path") from exc
         settings, self.aio_lines = aio_settings(aio)

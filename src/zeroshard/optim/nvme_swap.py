@@ -93,13 +93,14 @@ class SwapPipeline:
                               sum(s.buffer.numel() * 4 for s in self._slots if s.buffer is not None), tier="host")
         return slot
 
-    def _views(self, slot: _Slot, k: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
-        """(b, [master view, state views...]) of sub-group k's swapped buckets in `slot`."""
+    def _views(self, slot: _Slot, k: int, whole: bool = False) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """(b, [master view, state views...]) of sub-group k's swapped buckets in `slot`; with
+        `whole`, each view covers its aligned piece (what the I/O moves: O_DIRECT needs it)."""
         offset = 0
         for b in self.sub_groups[k]:
             if not self.swapped[b]:
                 continue
-            n = self.masters[b].numel()
+            n = self._piece[b] // 4 if whole else self.masters[b].numel()
             views = []
             for _ in range(1 + self.k):
                 views.append(slot.buffer[offset // 4: offset // 4 + n])
@@ -134,7 +135,7 @@ class SwapPipeline:
         self._wait(slot.writes)
         self._wait(slot.reads)
         slot.sub_group = k
-        for b, views in self._views(slot, k):
+        for b, views in self._views(slot, k, whole=True):
             slot.reads.append(self.tier.read(self.tier.region_of(self.masters[b]), views[0]))
             for name, view in zip(self.state_names(b), views[1:]):
                 slot.reads.append(self.tier.read(self._state_region(b, name), view))
@@ -171,8 +172,9 @@ class SwapPipeline:
             for t, view in zip(tensors, views):
                 if t.data_ptr() != view.data_ptr():  # states the optimizer just created, or loaded ones
                     view.copy_(t.detach().reshape(-1))
-            slot.writes.append(self.tier.write(self.tier.region_of(m), views[0]))
-            for name, view in zip(names, views[1:]):
+            whole = next(v for i, v in self._views(slot, k, whole=True) if i == b)  # aligned pieces: O_DIRECT
+            slot.writes.append(self.tier.write(self.tier.region_of(m), whole[0]))
+            for name, view in zip(names, whole[1:]):
                 slot.writes.append(self.tier.write(self._state_region(b, name), view))
             m.data = placeholder(m.shape, m.dtype)
             for name in names:
