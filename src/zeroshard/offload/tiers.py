@@ -85,6 +85,9 @@ class Tier:
     def describe(self) -> str:
         return f"{self.name} ({self.device})"
 
+    def close(self) -> None:
+        """Release what the tier holds outside tensors (files, threads); memory tiers hold none."""
+
 
 class DeviceTier(Tier):
     name = "device"
