@@ -1,0 +1,167 @@
+"""Benchmark: ZeRO++ (qwZ, hpZ, qgZ) beside plain stage 3 (issue 12).
+
+    python bench/bench_zeropp.py            # "mini" GPT, 4 gloo ranks as 2 nodes x 2, 8 measured steps
+    python bench/bench_zeropp.py --quick    # "tiny" GPT, 3 measured steps
+
+Four parts:
+1. bytes per step: each rank's comm_stats(by_scope=True) over one optimizer step (after warm-up
+   steps), sent bytes inside the node and across nodes, for stage 3, hpZ, qwZ, qgZ and all three
+   (fp32 and bf16). Rank 0's figures; the ranks are symmetric. stage3_max_reuse_distance = 0 and
+   persistence 0: every unit is gathered again in backward (the 3 x Phi of a model that does not
+   fit gathered; with DeepSpeed's default reuse distance this small model stays gathered between
+   forward and backward and there is no backward gather for hpZ to serve).
+2. quantize / dequantize throughput (comm.quantize, vectorized torch, one thread) beside a torch
+   copy of the same tensor (this machine's memory bandwidth as torch sees it): GB/s of the
+   16/32-bit input read (quantize) or output written (dequantize), 16M elements.
+3. step time here: median wall clock of rank 0's forward + backward + step, 4 processes on this
+   machine's cores (gloo over loopback; shared machine: noisy, not a network measurement).
+4. the estimator's step time for 2 nodes x 8 A100-80GB on one 100 Gb/s link per node (roce-100g),
+   bf16, for GPT-sized models, plain stage 3 beside ZeRO++ (hpZ = 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import torch  # noqa: E402
+
+CONFIGS = {
+    "stage 3": {},
+    "hpZ": {"zero_hpz_partition_size": 2},
+    "qwZ": {"zero_quantized_weights": True},
+    "qgZ": {"zero_quantized_gradients": True},
+    "all three": {"zero_hpz_partition_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True},
+}
+PER_NODE = 2
+
+
+def _rank(rank, world, preset, steps, precisions):
+    os.environ.update(LOCAL_RANK=str(rank % PER_NODE), LOCAL_WORLD_SIZE=str(PER_NODE), GROUP_RANK=str(rank // PER_NODE))
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.models import build_gpt, global_batch, synthetic_tokens
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    out = {}
+    for precision in precisions:
+        for name, zpp in CONFIGS.items():
+            torch.manual_seed(0)
+            model = build_gpt(preset)
+            cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                         "stage3_max_reuse_distance": 0, **zpp},
+                   "zeroshard": {"stage3_unit_classes": ["Block"]}}
+            if precision == "bf16":
+                cfg["bf16"] = {"enabled": True}
+            engine = zeroshard.initialize(model, cfg)
+            seq = model.config.block_size
+            tokens = synthetic_tokens(1 << 16, model.config.vocab_size, seed=1)
+            times, losses = [], []
+            for step in range(steps + 2):
+                x, y = global_batch(tokens, 2, seq, step, world, seed=2)
+                x, y = x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]
+                if step == steps + 1:
+                    engine.reset_comm_stats()
+                t0 = time.perf_counter()
+                loss = engine(x, y)[1]
+                engine.backward(loss)
+                engine.step()
+                if step >= 2:
+                    times.append(time.perf_counter() - t0)
+                losses.append(loss.item())
+            scoped = engine.comm_stats(by_scope=True)
+            out[(precision, name)] = {
+                "intra": sum(v["sent_bytes"] for v in scoped["intra_node"].values()),
+                "inter": sum(v["sent_bytes"] for v in scoped["inter_node"].values()),
+                "step_s": statistics.median(times), "loss": losses[-1],
+                "params": sum(p.numel() for p in engine.module.parameters())}
+            engine.close()
+    return out
+
+
+def _throughput(numel: int) -> list[tuple[str, float]]:
+    from zeroshard.comm import dequantize, plan_blocks, quantize
+
+    torch.set_num_threads(1)
+
+    def best(fn, reps=5):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(numel).to(dtype)
+        nbytes = x.numel() * x.element_size()
+        dst = torch.empty_like(x)
+        rows.append((f"torch copy {str(dtype)[6:]} (read+write {nbytes / 1e6:.0f} MB each)",
+                     nbytes / best(lambda: dst.copy_(x)) / 1e9))
+        for bits in (8, 4):
+            blocks = plan_blocks(numel, bits)
+            q, s = quantize(x.view(1, -1), blocks)
+            rows.append((f"quantize {str(dtype)[6:]} -> int{bits}", nbytes / best(lambda: quantize(x.view(1, -1), blocks)) / 1e9))
+            rows.append((f"dequantize int{bits} -> {str(dtype)[6:]}",
+                         nbytes / best(lambda: dequantize(q, s, blocks, dtype)) / 1e9))
+    return rows
+
+
+def _estimates() -> list[tuple[str, str, float, float, float]]:
+    from zeroshard.estimate import Strategy, shape_from_params
+    from zeroshard.estimate.hardware import Cluster, gpu_spec, inter_node_link
+    from zeroshard.estimate.planner import Workload, evaluate
+    from zeroshard.policies import Precision, Stage
+
+    cluster = Cluster(nodes=2, gpus_per_node=8, gpu=gpu_spec("a100-80gb"),
+                      inter_node_bw=inter_node_link("roce-100g").bw_per_node, host_mem=1 << 40)
+    work = Workload(seq=2048, micro_batch=1, precision=Precision.BF16)
+    rows = []
+    for count in ("1.3B", "7B"):
+        shape = shape_from_params(count)
+        for label, kw in (("stage 3", {}), ("qwZ+hpZ+qgZ", dict(quantized_weights=True, hpz_partition_size=8,
+                                                                 quantized_gradients=True))):
+            c = evaluate(shape, Strategy(stage=Stage.PARAMETERS, precision=Precision.BF16, **kw), cluster, work)
+            scope = c.comm.sent_by_scope()
+            rows.append((count, label, sum(scope["inter_node"].values()) / 1e9, c.time.comm_inter, c.time.step))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    from distributed import run_ranks
+
+    preset, steps = ("tiny", 3) if args.quick else ("mini", 8)
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores; model GPT '{preset}', 4 gloo ranks as 2 nodes x 2")
+    results = run_ranks(_rank, 4, preset, steps, ("fp32", "bf16"), timeout=1800)[0]
+    print("\n1./3. per step, rank 0 (sent bytes by scope; step time median of", steps, "steps)")
+    print(f"{'precision':9} {'config':10} {'intra-node B':>13} {'inter-node B':>13} {'inter vs stage 3':>17} "
+          f"{'step ms':>8} {'last loss':>9}")
+    for (precision, name), r in results.items():
+        base = results[(precision, "stage 3")]["inter"]
+        print(f"{precision:9} {name:10} {r['intra']:>13,} {r['inter']:>13,} {r['inter'] / base:>16.3f}x "
+              f"{r['step_s'] * 1e3:>8.1f} {r['loss']:>9.4f}")
+    print(f"(model parameters: {next(iter(results.values()))['params']:,})")
+    print("\n2. quantize / dequantize, 16M elements, 1 thread (GB/s of the 16/32-bit side)")
+    for label, gbs in _throughput(1 << 24):
+        print(f"  {label:44} {gbs:7.2f} GB/s")
+    print("\n4. estimator: 2 nodes x 8 A100-80GB, 100 Gb/s (roce-100g) per node, bf16, seq 2048, micro-batch 1")
+    print(f"  {'model':5} {'config':12} {'inter-node GB/step/rank':>24} {'inter comm s':>13} {'step s':>8}")
+    for count, label, inter, t_inter, step in _estimates():
+        print(f"  {count:5} {label:12} {inter:>24.3f} {t_inter:>13.3f} {step:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
