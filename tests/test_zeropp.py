@@ -174,6 +174,8 @@ def test_loss_tracks_plain_stage3(results, key):
     assert len(got) == STEPS and plain[-1] < 0.8 * plain[0]  # the task is learned
     worst = max(abs(a - b) / b for a, b in zip(got[3:], plain[3:]))
     tail = abs(sum(got[-5:]) - sum(plain[-5:])) / sum(plain[-5:])
+    print(f"\n{key}: worst step |loss - plain| / plain {worst:.4f}, last-5 mean {tail:.4f}, "
+          f"plain {plain[0]:.3f} -> {plain[-1]:.3f}, {key} -> {got[-1]:.3f}")
     assert worst <= LOSS_BOUND and tail <= LOSS_BOUND, (key, worst, tail)
 
 
@@ -182,6 +184,9 @@ def test_all_three_cut_inter_node_bytes_below_035(results, suffix):
     for rank in range(WORLD):
         plain, zpp = results[rank]["plain" + suffix], results[rank]["all" + suffix]
         ratio = _inter(zpp) / _inter(plain)
+        if rank == 0:
+            print(f"\ninter-node sent bytes per step{suffix}: stage 3 {_inter(plain):,}, all three {_inter(zpp):,} "
+                  f"({ratio:.3f}x)")
         assert ratio <= 0.35, ratio
         assert _inter(zpp, "reduce_scatter") == 0 and zpp["flat"]["all_to_all"]["calls"] > 0
 
@@ -242,3 +247,19 @@ def test_estimator_bytes_by_scope_equal_the_ledger(results, key):
             mem = estimate_memory(shape_from_params(sum(padded)), strategy, WORLD, PER_NODE)
             plain = results[rank]["plain"]["mem"]["peak_params"]
             assert mem.hpz_secondary == r["mem"]["peak_params"] - plain
+
+
+def test_hpz_size_that_does_not_divide_the_node_is_one_error():
+    from zeroshard.comm import Topology
+    from zeroshard.policies import ConfigError
+
+    topo = Topology(0, 4, 0, 2, torch.device("cpu"), "none", False)
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size = 3 does not divide the 2 ranks per node"):
+        topo.hierarchy(3, 10.0)
+    # at start-up, on one process (LOCAL_WORLD_SIZE 1): the same error, before any training
+    import zeroshard
+    from oracle import config_for, make_model
+
+    case = Case(stage=3, zero=NO_REUSE + HPZ)
+    with pytest.raises(ConfigError, match="divisor of 1"):
+        zeroshard.initialize(make_model(case), config_for(case, 1))

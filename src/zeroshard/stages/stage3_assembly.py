@@ -145,12 +145,13 @@ def stage3_collectives(comm: Comm, settings: Settings) -> Stage3Collectives:
     from the node; quantized_nontrainable_weights alone quantizes the frozen buckets' gathers."""
     zpp = settings.zero.zeropp
     plain = Stage3Collectives.plain(comm)
+    hierarchy = None
+    if zpp.hpz_partition_size > 1:  # checked at any world size: the size must divide the ranks per node
+        hierarchy = comm.topology.hierarchy(zpp.hpz_partition_size, comm.timeout_s)
     if comm.world_size == 1 or not (zpp.quantized_weights or zpp.quantized_nontrainable_weights
                                     or zpp.hpz_partition_size > 1):
         return plain
-    hpz = None
-    if zpp.hpz_partition_size > 1:
-        hpz = comm.on(comm.topology.hierarchy(zpp.hpz_partition_size, comm.timeout_s).hpz)
+    hpz = comm.on(hierarchy.hpz) if hierarchy is not None else None
     quant = QuantizedAllGather(comm)
     train = quant if zpp.quantized_weights else comm
     frozen = quant if zpp.quantized_weights or zpp.quantized_nontrainable_weights else comm
