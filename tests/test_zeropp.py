@@ -263,3 +263,27 @@ def test_hpz_size_that_does_not_divide_the_node_is_one_error():
     case = Case(stage=3, zero=NO_REUSE + HPZ)
     with pytest.raises(ConfigError, match="divisor of 1"):
         zeroshard.initialize(make_model(case), config_for(case, 1))
+
+
+def test_estimate_cli_json_by_scope_against_the_ledger(results, capsys):
+    """`zeroshard estimate --params 28032 --nodes 2 --gpus-per-node 2 --precision fp32 --json` (no unit
+    layout: the model as one bucket): its stage-3 inter-node bytes per step equal the ledger's; its
+    ZeRO++ row (qwZ + hpZ 2 + qgZ) is within 0.5% (quantization scales are per unit in the engine)."""
+    import argparse
+    import json
+
+    from zeroshard.cli import estimate_cmd
+
+    parser = argparse.ArgumentParser(prog="zeroshard")
+    estimate_cmd.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["estimate", "--params", "28032", "--nodes", "2", "--gpus-per-node", "2",
+                              "--precision", "fp32", "--optimizer", "adamw", "--json"])
+    assert args.func(args) == 0
+    rows = {c["label"]: c["comm"]["sent_by_scope"] for c in json.loads(capsys.readouterr().out)["candidates"]}
+    total = lambda scoped: {s: sum(v.values()) for s, v in scoped.items()}  # noqa: E731
+    ledger = lambda key: total({s: {op: v["sent_bytes"] for op, v in ops.items()}  # noqa: E731
+                                for s, ops in results[0][key]["scoped"].items()})
+    assert total(rows["stage 3"]) == ledger("plain")
+    est, got = total(rows["stage 3 qwZ+hpZ+qgZ"]), ledger("all")
+    for scope in ("intra_node", "inter_node"):
+        assert abs(est[scope] - got[scope]) <= 0.005 * got[scope], (scope, est, got)
