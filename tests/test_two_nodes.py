@@ -100,6 +100,7 @@ def test_a_second_two_node_run_resumes_the_checkpoint_and_ends_bit_equal(two_nod
     assert b is not None, "run A failed"
     assert all(r.returncode == 0 for r in b), _show(b)
     out = " ".join("".join(r.stdout for r in b).split())
+    assert out.count("zeroshard train: summary") == 1 and "3 / 2 (gloo)" in out  # one job of both nodes' ranks
     assert "resumed at step 3 from b/global_step3" in out
     assert "for 3 steps" in out  # steps 3-5 only
     assert_bit_equal(checkpoint_tensors(cwd / "a" / "global_step6"), checkpoint_tensors(cwd / "b" / "global_step6"))
