@@ -137,3 +137,31 @@ def test_the_kill_hook_fires_only_for_its_rank_step_and_first_attempt(monkeypatc
     monkeypatch.setenv("ZEROSHARD_TEST_KILL_AT", "three")
     with pytest.raises(ConfigError, match="expected RANK:STEP"):
         train_resume.kill_hook(1)
+
+
+def test_max_restarts_reaches_torchrun_without_its_shared_store(monkeypatch, capsys):
+    """--max-restarts N is passed on, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712:
+    a restarted worker could read the dead attempt's peer address from the shared store)."""
+    from zeroshard.cli import launch_cmd
+    from zeroshard.cli.main import main
+
+    seen = {}
+
+    def call(cmd, env):
+        seen["cmd"], seen["env"] = cmd, env
+        return 0
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(launch_cmd.subprocess, "call", call)
+    assert main(["train", "--model", "tiny", "--seq-len", "16", "--steps", "2", "--max-restarts", "2",
+                 "--report", ""]) == 0
+    assert "--max-restarts=2" in seen["cmd"] and seen["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert main(["train", "--model", "tiny", "--seq-len", "16", "--steps", "2", "--report", ""]) == 0
+    assert not any(a.startswith("--max-restarts") for a in seen["cmd"])
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in seen["env"]
+    assert main(["train", "--max-restarts", "-1"]) == 2
+    assert "--max-restarts must be 0 or more" in capsys.readouterr().err
+    assert main(["train", "--reload-checkpoints"]) == 2
+    assert "--reload-checkpoints reads back what --save DIR writes" in capsys.readouterr().err
