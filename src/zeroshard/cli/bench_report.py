@@ -26,7 +26,7 @@ def add_report(result: dict[str, Any]) -> dict[str, Any]:
 
 def _m(b: float) -> str:
     """MiB, with decimals where a small model would round to 0."""
-    return f"{b / MiB:,.0f}" if b >= 10 * MiB else f"{b / MiB:.2f}"
+    return "0" if b == 0 else f"{b / MiB:,.0f}" if b >= 10 * MiB else f"{b / MiB:.2f}"
 
 
 def _states(row: dict) -> str:
