@@ -38,6 +38,13 @@ RUNS = {
     "all-bf16": Case(stage=3, optimizer="adamw", steps=2, precision="bf16", zero=NO_REUSE + HPZ + QWZ + QGZ),
 }
 ORACLE = Case(stage=3, optimizer="sgd", steps=4, zero=NO_REUSE + HPZ)
+LINEAR_UNITS = (("zeroshard.stage3_unit_classes", ("Linear",)),)
+FROZEN = {  # FrozenMLP, layers 0 and 2 frozen: qwZ for the frozen units only, and for all units
+    "mlp": Case(model="mlp", stage=3, optimizer="adamw", steps=3, zero=NO_REUSE + LINEAR_UNITS),
+    "mlp-frozen-q": Case(model="mlp", stage=3, optimizer="adamw", steps=3,
+                         zero=NO_REUSE + LINEAR_UNITS + (("zero_quantized_nontrainable_weights", True),)),
+    "mlp-all-q": Case(model="mlp", stage=3, optimizer="adamw", steps=3, zero=NO_REUSE + LINEAR_UNITS + QWZ),
+}
 
 
 def as_torchrun_node(rank: int) -> None:
@@ -95,6 +102,7 @@ def _worker(rank, world_size, runs, oracle):
         t = torch.tensor(losses)
         dist.all_reduce(t)
         out[key] = {"losses": (t / world_size).tolist(), "scoped": engine.comm_stats(by_scope=True),
+                    "frozen_units": len(engine.frozen_buckets),
                     "flat": engine.comm_stats(), "mem": engine.memory_stats(),
                     "units": [[b.layout.padded_numel for b in u.buckets] for u in engine.units],
                     "itemsize": engine.buckets[0].dtype.itemsize}
@@ -107,7 +115,7 @@ def _worker(rank, world_size, runs, oracle):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_worker, WORLD, RUNS, ORACLE, timeout=400)
+    return run_ranks(_worker, WORLD, {**RUNS, **FROZEN}, ORACLE, timeout=400)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -222,6 +230,16 @@ def plain_blocks(n):
 ZPP_OF = {"plain": {}, "hpz": {"hpz_partition_size": 2}, "qwz": {"quantized_weights": True},
           "qgz": {"quantized_gradients": True},
           "all": {"hpz_partition_size": 2, "quantized_weights": True, "quantized_gradients": True}}
+
+
+def test_quantized_nontrainable_weights_quantize_only_frozen_units(results):
+    for rank in range(WORLD):
+        plain, frozen_q, all_q = (results[rank][k]["flat"]["all_gather"] for k in FROZEN)
+        assert results[rank]["mlp"]["frozen_units"] > 0
+        assert plain["elements"] == frozen_q["elements"] == all_q["elements"]  # the same gathers
+        assert all_q["bytes"] < frozen_q["bytes"] < plain["bytes"]  # frozen ones int8, then all of them
+    base = results[0]["mlp"]["losses"]
+    assert max(abs(a - b) / b for a, b in zip(results[0]["mlp-frozen-q"]["losses"], base)) <= LOSS_BOUND
 
 
 @pytest.mark.parametrize("key", list(RUNS))
