@@ -237,6 +237,29 @@ def test_io_engine_round_trips_and_retries_short_transfers(tmp_path, monkeypatch
     io.close()
 
 
+@pytest.mark.parametrize("single_submit, overlap", [(True, True), (False, False)])
+def test_aio_single_submit_and_no_overlap_modes_round_trip(tmp_path, single_submit, overlap):
+    from zeroshard.offload.aio import aligned_empty
+    from zeroshard.offload.nvme import aio_settings
+    from zeroshard.policies import AioPolicy
+
+    settings, lines = aio_settings(AioPolicy(block_size=5000, queue_depth=2, intra_op_parallelism=3,
+                                             single_submit=single_submit, overlap_events=overlap))
+    assert settings.threads == 6 and settings.block_size == 8192  # rounded up to whole 4 KiB blocks
+    assert any("6 I/O thread(s)" in line for line in lines)
+    io = _engine(tmp_path, block_size=settings.block_size, threads=settings.threads,
+                 single_submit=single_submit, overlap=overlap)
+    path = io.open("f.bin")
+    data = aligned_empty(10 * 8192, torch.float32).copy_(torch.randn(10 * 8192 // 4))
+    handle = io.write(path, data, 0)
+    assert handle.done() or overlap  # without overlap the write is finished when submitted
+    handle.wait()
+    back = aligned_empty(10 * 8192, torch.float32)
+    io.read(path, back, 0).wait()
+    assert torch.equal(back, data)
+    io.close()
+
+
 def test_disk_full_during_io_is_one_clear_error(tmp_path, monkeypatch):
     from zeroshard.offload.aio import aligned_empty
     from zeroshard.policies import NvmeSpaceError
