@@ -94,15 +94,19 @@ def test_fp16_trains():
     assert skipped <= 3 and scale >= 1.0
 
 
-def test_overflow_names_the_nonfinite_parameter(caplog):
-    """Single process: poison one gradient; the warning says which parameter it was."""
+@pytest.mark.parametrize("early", [False, True], ids=["step-after-backward", "step-during-backward"])
+def test_overflow_names_the_nonfinite_parameter(caplog, early):
+    """Single process: poison one gradient; the warning says which parameter it was, and the
+    step is skipped. Stepping during backward, the update has happened by then: the warning
+    says it was applied, and nothing is counted as skipped."""
     import logging
 
     import zeroshard
     from zeroshard.models import FrozenMLP
 
     engine = zeroshard.initialize(FrozenMLP(frozen=()), {"train_micro_batch_size_per_gpu": 2,
-                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                  "zeroshard": {"step_during_backward": early}})
     engine.module.layers[2].weight.register_hook(lambda g: g * float("nan"))
     x, y = torch.randn(2, 16), torch.randn(2, 8)
     with caplog.at_level(logging.WARNING, logger="zeroshard"):
@@ -113,5 +117,9 @@ def test_overflow_names_the_nonfinite_parameter(caplog):
             engine.step()
         finally:
             zlog.removeHandler(caplog.handler)
+    if early:
+        assert engine.skipped_steps == 0 and "this step is applied, not skipped" in caplog.text, caplog.text
+        assert not torch.isfinite(engine.module.layers[2].weight).all()
+        return
     assert engine.skipped_steps == 1
     assert "layers.2.weight" in caplog.text, caplog.text

@@ -69,5 +69,6 @@ def step_during_backward(settings: Settings, optimizer_can: bool) -> tuple[bool,
                               f"{'; '.join(forbid)}. Remove the key or set it to false.")
         return False, f"after backward ({'; '.join(forbid)})"
     return True, ("during backward: each sub-group as soon as its gradients are reduced, overlapping "
-                  "the rest of backward (no clipping, no fp16 overflow check; "
-                  "zeroshard.step_during_backward = false to step after backward)")
+                  "the rest of backward (no clipping, no fp16 overflow check; a non-finite gradient is "
+                  "applied, as in DDP, not skipped; zeroshard.step_during_backward = false steps after "
+                  "backward and skips such steps)")
