@@ -11,6 +11,7 @@ from zeroshard.policies.errors import (
     ZeroShardError,
 )
 from zeroshard.policies.settings import (
+    ActivationOffloadPolicy,
     AioPolicy,
     BatchPolicy,
     CommsLoggerPolicy,
@@ -30,7 +31,7 @@ from zeroshard.policies.settings import (
 )
 
 __all__ = [
-    "AioPolicy", "NvmeError", "NvmeSpaceError",
+    "ActivationOffloadPolicy", "AioPolicy", "NvmeError", "NvmeSpaceError",
     "BatchPolicy", "CheckpointError", "CommError", "CommTimeoutError", "CommsLoggerPolicy",
     "ConfigError", "LossScalePolicy", "NotSupportedYetError", "OffloadDevice", "OffloadPolicy",
     "OptimizerSpec", "Precision", "PrecisionPolicy", "RuntimePolicy", "SchedulerSpec", "Settings",

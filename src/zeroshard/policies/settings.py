@@ -189,6 +189,21 @@ class RuntimePolicy:
 
 
 @dataclass(frozen=True)
+class ActivationOffloadPolicy:
+    """Where the inputs of checkpointed segments wait for backward (zeroshard's checkpoint function).
+
+    `device` NONE: on the compute device (plain activation checkpointing); CPU: host memory
+    (DeepSpeed's `activation_checkpointing.cpu_checkpointing`); NVME: files under `nvme_path`
+    (`zeroshard.activation_offload`). `buffer_count`: host staging buffers of the NVMe variant
+    (writes in flight, and reads ahead of backward)."""
+
+    device: OffloadDevice = OffloadDevice.NONE
+    nvme_path: str | None = None
+    buffer_count: int = 2
+    why: str = ""  # which key asked for it, for the start-up line
+
+
+@dataclass(frozen=True)
 class Settings:
     """The whole validated configuration. `notes` are start-up messages (ignored keys, aliases)."""
 
@@ -203,5 +218,6 @@ class Settings:
     comms_logger: CommsLoggerPolicy = field(default_factory=CommsLoggerPolicy)
     aio: AioPolicy = field(default_factory=AioPolicy)
     runtime: RuntimePolicy = field(default_factory=RuntimePolicy)
+    activations: ActivationOffloadPolicy = field(default_factory=ActivationOffloadPolicy)
     raw: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
