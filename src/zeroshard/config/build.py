@@ -15,7 +15,7 @@ from typing import Any
 from zeroshard.config.schema import RootConfig
 from zeroshard.config.zero_schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from zeroshard.policies import (
-    AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, LossScalePolicy, OffloadDevice, OffloadPolicy,
+    ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, LossScalePolicy, OffloadDevice, OffloadPolicy,
     OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy, SchedulerSpec, Settings, Stage,
     Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
 )
@@ -110,6 +110,45 @@ def _with_runtime_stage3(zero: ZeroPolicy, runtime) -> ZeroPolicy:
     return dataclasses.replace(zero, stage3=stage3)
 
 
+def activation_policy(config: RootConfig) -> ActivationOffloadPolicy:
+    """`activation_checkpointing.cpu_checkpointing` (DeepSpeed's host variant) and
+    `zeroshard.activation_offload` (cpu or nvme) into one policy; contradictions are errors."""
+    cpu = bool(config.activation_checkpointing and config.activation_checkpointing.cpu_checkpointing)
+    block = config.zeroshard.activation_offload if config.zeroshard is not None else None
+    if block is None or "device" not in block.model_fields_set:
+        if block is not None and block.nvme_path:
+            raise ConfigError("zeroshard.activation_offload.nvme_path is set but device is not: add "
+                              '"device": "nvme" (or remove nvme_path)')
+        if cpu:
+            return ActivationOffloadPolicy(device=OffloadDevice.CPU, why="activation_checkpointing.cpu_checkpointing")
+        return ActivationOffloadPolicy()
+    device = OffloadDevice(block.device)
+    key = "zeroshard.activation_offload.device"
+    if device == OffloadDevice.NONE and cpu:
+        raise ConfigError(f'{key} = "none" contradicts activation_checkpointing.cpu_checkpointing = true; '
+                          'remove one of them (or set device "cpu" / "nvme")')
+    if device != OffloadDevice.NVME and block.nvme_path:
+        raise ConfigError(f'zeroshard.activation_offload.nvme_path is set but {key} = "{device.value}"; '
+                          'set device "nvme" to write checkpointed activations there, or remove nvme_path')
+    if device != OffloadDevice.NVME:
+        return ActivationOffloadPolicy(device=device, buffer_count=block.buffer_count, why=key)
+    path, why = block.nvme_path, key
+    if not path:  # the run's NVMe folder, when the optimizer or parameters already use one
+        zero = config.zero
+        for name, off in (("offload_param", zero.offload_param), ("offload_optimizer", zero.offload_optimizer)):
+            if off is not None and off.device == "nvme" and off.nvme_path:
+                path, why = off.nvme_path, f"{key} (nvme_path from zero_optimization.{name}.nvme_path)"
+                break
+    if not path:
+        raise ConfigError(f'{key} = "nvme" needs a folder: set zeroshard.activation_offload.nvme_path to a '
+                          "directory on a fast local drive (or use offload_optimizer/offload_param nvme with "
+                          'an nvme_path, which it then shares), or choose device "cpu"')
+    if block.buffer_count < 2:
+        raise ConfigError(f"zeroshard.activation_offload.buffer_count = {block.buffer_count}: the NVMe variant "
+                          "needs at least 2 host buffers (one being written or read, one being used)")
+    return ActivationOffloadPolicy(device=device, nvme_path=path, buffer_count=block.buffer_count, why=why)
+
+
 def _without_auto(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if not (isinstance(v, str) and v == "auto")}
 
@@ -157,6 +196,7 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
                                cast_forward_inputs=runtime.cast_forward_inputs,
                                step_during_backward=runtime.step_during_backward)
                  if runtime is not None else RuntimePolicy()),
+        activations=activation_policy(config),
         raw=raw,
         notes=tuple(notes),
     )

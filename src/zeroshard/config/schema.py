@@ -253,6 +253,16 @@ class CompileConfig(Section):
     keep_all_input_tensors: Any = None
 
 
+class ActivationOffloadConfig(Section):
+    """`zeroshard.activation_offload`: where zeroshard's checkpoint function keeps the inputs of
+    checkpointed segments until backward ("cpu" is DeepSpeed's cpu_checkpointing; "nvme" writes
+    them to files under `nvme_path`)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: Text | None = None
+    buffer_count: PosInt = 2
+
+
 class ZeroShardConfig(Section):
     """zeroshard's own block (`"zeroshard": {...}`); DeepSpeed would reject it, zeroshard reads it."""
 
@@ -263,6 +273,7 @@ class ZeroShardConfig(Section):
     # step each optimizer sub-group as soon as its gradients are reduced, during backward
     # (stages 0-2; None: whenever no clipping or fp16 overflow check needs every gradient first)
     step_during_backward: Bool | None = None
+    activation_offload: ActivationOffloadConfig | None = None
 
 
 class RootConfig(Section):

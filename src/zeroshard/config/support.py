@@ -126,7 +126,7 @@ GAPS: tuple[Gap, ...] = (
         "false"),
     Gap("activation_checkpointing.cpu_checkpointing",
         lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.cpu_checkpointing)),
-        "false"),
+        "false", built=True),  # zeroshard's checkpoint function (offload/activations.py, issue 11)
     Gap("compile.enabled", lambda c: _when(bool(c.compile and c.compile.enabled)), "false"),
     Gap("compile.deepcompile", lambda c: _when(bool(c.compile and c.compile.deepcompile)), "false"),
     Gap("tensor_parallel", lambda c: _when(bool(c.tensor_parallel), "{...}"), "nothing (remove the block)"),
@@ -224,8 +224,8 @@ def _ignored_checks(c: "RootConfig") -> list[tuple[bool, str]]:
          "checkpoint: zeroshard writes its own resharding checkpoints; DeepSpeed's checkpoint engine "
          "settings do not apply"),
         (bool(ac and any(getattr(ac, k) not in (False, None) for k in _AC)),
-         "activation_checkpointing: " + ", ".join(_AC) + " configure deepspeed.checkpointing, which zeroshard "
-         "does not provide; use torch.utils.checkpoint"),
+         "activation_checkpointing: " + ", ".join(_AC) + " have no effect in zeroshard's checkpoint function "
+         "(zeroshard.checkpoint_activations / zeroshard.deepspeed.checkpointing); cpu_checkpointing does"),
         (bool(c.data_types and (c.data_types.param_dtype or c.data_types.buffer_dtype)),
          "data_types.param_dtype / buffer_dtype: zeroshard's precision comes from fp16 / bf16"),
         (bool(c.bf16 and c.bf16.immediate_grad_update), "bf16.immediate_grad_update: zeroshard reduces "
