@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-CATEGORIES = ("params", "grads", "optimizer_states", "comm_buffers")
+# "activations": the inputs of checkpointed segments zeroshard's checkpoint function keeps for
+# backward, on the tier where they wait (device, host, or nvme files)
+CATEGORIES = ("params", "grads", "optimizer_states", "comm_buffers", "activations")
 MODEL_STATES = ("params", "grads", "optimizer_states")
 TIERS = ("device", "host", "nvme")
 
@@ -21,6 +23,8 @@ class MemoryLedger:
         self._now: dict[str, int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
         self._tier_now: dict[str, int] = defaultdict(int)
+        self._split_now: dict[tuple[str, str], int] = defaultdict(int)  # (category, tier) -> bytes
+        self._split_peak: dict[tuple[str, str], int] = defaultdict(int)
         self._peak_states = 0  # params + grads + optimizer states held at the same moment
 
     def hold(self, category: str, key: str, nbytes: int, tier: str = "device") -> None:
@@ -30,6 +34,8 @@ class MemoryLedger:
         self._held[(category, key)] = (nbytes, tier)
         self._now[category] += nbytes
         self._tier_now[tier] += nbytes
+        self._split_now[(category, tier)] += nbytes
+        self._split_peak[(category, tier)] = max(self._split_peak[(category, tier)], self._split_now[(category, tier)])
         self._peak[category] = max(self._peak[category], self._now[category])
         self._peak_states = max(self._peak_states, self._states_now())
 
@@ -42,6 +48,7 @@ class MemoryLedger:
             nbytes, tier = entry
             self._now[category] -= nbytes
             self._tier_now[tier] -= nbytes
+            self._split_now[(category, tier)] -= nbytes
 
     def holds(self, category: str, key: str) -> bool:
         return (category, key) in self._held
@@ -49,6 +56,13 @@ class MemoryLedger:
     def reset_peaks(self) -> None:
         self._peak = defaultdict(int, {c: self._now[c] for c in CATEGORIES})
         self._peak_states = self._states_now()
+        self._split_peak = defaultdict(int, self._split_now)
+
+    def by_tier(self, category: str) -> dict[str, int]:
+        """{tier: bytes of `category` there now, peak_<tier>: its peak since reset_peaks()}."""
+        out = {t: self._split_now[(category, t)] for t in TIERS}
+        out.update({f"peak_{t}": self._split_peak[(category, t)] for t in TIERS})
+        return out
 
     def stats(self) -> dict[str, int]:
         out = {c: self._now[c] for c in CATEGORIES}
