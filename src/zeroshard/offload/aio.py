@@ -212,6 +212,19 @@ class IOEngine:
                                 "than zeroshard wrote it (was it truncated or removed while training?)")
             done += n
 
+    def discard(self, path: str) -> None:
+        """Close and delete one file of this engine (its requests must be finished)."""
+        with self._lock:
+            fds = self._fds.pop(path, None)
+        if fds is not None:
+            os.close(fds[0])
+            if fds[1] >= 0:
+                os.close(fds[1])
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
     def sync(self) -> None:
         for fd, _ in self._fds.values():
             os.fsync(fd)
