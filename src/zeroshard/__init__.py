@@ -1,6 +1,7 @@
 """zeroshard: ZeRO stages for PyTorch, small, measured, DeepSpeed-config compatible."""
 
 from zeroshard.api import Engine, GatheredParameters, Init, initialize
+from zeroshard.offload.activations import checkpoint as checkpoint_activations
 from zeroshard.policies import (
     CheckpointError,
     CommError,
@@ -13,6 +14,6 @@ from zeroshard.policies import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CommError", "CommTimeoutError", "ConfigError", "Engine", "GatheredParameters", "Init",
+    "CheckpointError", "CommError", "CommTimeoutError", "ConfigError", "Engine", "GatheredParameters", "Init", "checkpoint_activations",
     "NotSupportedYetError", "ZeroShardError", "__version__", "initialize",
 ]

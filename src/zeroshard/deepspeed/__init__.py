@@ -10,10 +10,10 @@ A thin layer over zeroshard's own API: `initialize` returns DeepSpeed's 4-tuple 
 MoE, model parallelism), is in docs/deepspeed-migration.md.
 """
 
-from zeroshard.deepspeed import comm, moe, pipe, zero
+from zeroshard.deepspeed import checkpointing, comm, moe, pipe, zero
 from zeroshard.deepspeed.args import add_config_arguments
 from zeroshard.deepspeed.comm import init_distributed
 from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.initialize import initialize
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "comm", "init_distributed", "initialize", "moe", "pipe", "zero"]
+__all__ = ["DeepSpeedEngine", "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize", "moe", "pipe", "zero"]
