@@ -5,7 +5,8 @@ Transformer Models", eq. (1): one layer stores s*b*h*(34 + 5*a*s/h) bytes with
 16-bit activations, no tensor or sequence parallelism. The 5*a*s/h term is the
 attention score/softmax/dropout tensors; a fused (flash / SDPA) attention kernel
 does not store them. With full activation checkpointing each layer keeps only its
-16-bit input (2*s*b*h bytes) and one layer is recomputed at a time.
+16-bit input (2*s*b*h bytes) and one layer is recomputed at a time. Those kept inputs are
+what activation offload moves to the host or NVMe (`memory.Strategy.activation_offload`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class ActivationEstimate:
     total: int
     checkpointing: bool
     flash_attention: bool
+    checkpoint_input: int = 0  # one layer's kept input under checkpointing (what activation offload moves)
 
 
 def activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, layers: int, vocab: int,
@@ -55,11 +57,12 @@ def activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, layers
     per_layer = int(coef * scale)
     logits = s * b * vocab * LOGITS_BYTES_PER_ELEMENT
     if checkpointing:
-        stored = int(CHECKPOINT_INPUT_COEF * s * b * h * layers * scale)
+        checkpoint_input = int(CHECKPOINT_INPUT_COEF * s * b * h * scale)
+        stored = checkpoint_input * layers
         recompute = per_layer
     else:
         stored = per_layer * layers
-        recompute = 0
+        recompute = checkpoint_input = 0
     return ActivationEstimate(per_layer=per_layer, stored=stored, recompute=recompute, logits=logits,
                               total=stored + recompute + logits, checkpointing=checkpointing,
-                              flash_attention=flash_attention)
+                              flash_attention=flash_attention, checkpoint_input=checkpoint_input)

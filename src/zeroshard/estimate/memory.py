@@ -45,6 +45,13 @@ exact with the padded layout):
   on the host (K = 12 there for Adam), while with `offload_param` too the shard already is
   on the host (K = 8). On a CPU-only machine host and device are the same memory
   (`Strategy(host_is_device=True)`, zeroshard on gloo): K = 8 always, no staging buffers.
+
+Activation offload (`Strategy(activation_offload=...)`, with activation checkpointing; zeroshard's
+checkpoint function, `offload/activations.py`): the kept input of every checkpointed layer
+(`ActivationEstimate.stored`) lives on the host (`cpu`: `host_activations`) or in NVMe files
+(`nvme`: `nvme_activations`, part of `nvme_per_rank`, plus `activation_buffer_count` host staging
+buffers of one layer's input in `host_buffers`). The device keeps the layer being recomputed:
+its input, copied back, plus its recompute working set and the logits.
 """
 
 from __future__ import annotations
@@ -130,6 +137,10 @@ class Strategy:
     param_buffer_count: int = 5  # offload_param.buffer_count (nvme)
     param_buffer_size: int = 100_000_000  # offload_param.buffer_size (nvme)
     activation_checkpointing: bool = False
+    # where the checkpointed layer inputs wait for backward (activation_checkpointing.cpu_checkpointing
+    # = cpu; zeroshard.activation_offload); needs activation_checkpointing
+    activation_offload: OffloadDevice = OffloadDevice.NONE
+    activation_buffer_count: int = 2  # zeroshard.activation_offload.buffer_count (nvme staging buffers)
     offload_ratio: float = 1.0  # offload_optimizer.ratio: share of the optimizer shards on the host
     # Where the estimate is for: False, a GPU with its own memory (separate fp32 host master in fp32
     # training, pinned gradient staging); True, a CPU-only machine where host and device are the
@@ -144,6 +155,12 @@ class Strategy:
         object.__setattr__(self, "precision", Precision(self.precision))
         object.__setattr__(self, "offload_optimizer", OffloadDevice(self.offload_optimizer))
         object.__setattr__(self, "offload_param", OffloadDevice(self.offload_param))
+        object.__setattr__(self, "activation_offload", OffloadDevice(self.activation_offload))
+        if self.activation_offload != OffloadDevice.NONE and not self.activation_checkpointing:
+            raise ConfigError("activation offload moves the inputs kept by activation checkpointing: set "
+                              "activation_checkpointing=True, or activation_offload='none'")
+        if self.activation_buffer_count < 1:
+            raise ConfigError(f"activation_buffer_count must be >= 1, got {self.activation_buffer_count}")
         if self.offload_param != OffloadDevice.NONE and self.stage != Stage.PARAMETERS:
             raise ConfigError("offload_param needs stage 3 (only stage 3 partitions parameters)")
         if self.offload_optimizer != OffloadDevice.NONE and self.stage == Stage.DATA_PARALLEL:
@@ -202,6 +219,8 @@ class Strategy:
                          + (f" {self.offload_ratio:.0%}" if self.offload_ratio < 1.0 else ""))
         if self.offload_param != OffloadDevice.NONE:
             parts.append(f"param→{self.offload_param.value}")
+        if self.activation_offload != OffloadDevice.NONE:
+            parts.append(f"act→{self.activation_offload.value}")
         zpp = [n for n, on in (("qwZ", self.quantized_weights), ("hpZ", self.hpz_partition_size > 1),
                                ("qgZ", self.quantized_gradients)) if on]
         if zpp:
@@ -240,10 +259,15 @@ class MemoryEstimate:
     host_grads: int = 0
     host_optimizer_states: int = 0
     host_buffers: int = 0
+    # checkpointed activations offloaded (activation_offload): on the host, and in NVMe files
+    # (the latter also counted in nvme_per_rank)
+    host_activations: int = 0
+    nvme_activations: int = 0
 
     @property
     def host_per_rank(self) -> int:
-        return self.host_params + self.host_grads + self.host_optimizer_states + self.host_buffers
+        return (self.host_params + self.host_grads + self.host_optimizer_states + self.host_buffers
+                + self.host_activations)
 
     @property
     def device_at_rest(self) -> int:
@@ -279,6 +303,7 @@ class MemoryEstimate:
             "device_total": self.device_total, "device_at_rest": self.device_at_rest,
             "host_params": self.host_params, "host_grads": self.host_grads,
             "host_optimizer_states": self.host_optimizer_states, "host_buffers": self.host_buffers,
+            "host_activations": self.host_activations, "nvme_activations": self.nvme_activations,
             "host_at_rest": self.host_at_rest, "host_per_rank": self.host_per_rank,
             "host_per_node": self.host_per_node, "nvme_per_rank": self.nvme_per_rank,
             "nvme_per_node": self.nvme_per_node, "notes": list(self.notes),
@@ -380,12 +405,31 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
     else:
         buffers = _stage012_buffers(s, phi_t, n, full, own, layout)
 
+    device_act = activations.total if activations else 0
+    host_act = nvme_act = 0
+    if activations is not None and s.activation_offload != OffloadDevice.NONE:
+        if not activations.checkpointing:
+            raise ConfigError("activation offload needs the activations estimated with checkpointing "
+                              "(activation_bytes(..., checkpointing=True))")
+        # every layer's kept input leaves the device; the one being recomputed comes back
+        moved = activations.stored
+        device_act = activations.total - moved + activations.checkpoint_input
+        if s.activation_offload == OffloadDevice.CPU:
+            host_act = moved
+            notes.append(f"checkpointed activations on the host: {moved:,} bytes")
+        else:
+            nvme_act = moved
+            nvme += moved
+            host_buf += s.activation_buffer_count * activations.checkpoint_input
+            notes.append(f"checkpointed activations in NVMe files: {moved:,} bytes, through "
+                         f"{s.activation_buffer_count} host staging buffer(s) of one layer's input")
+
     return MemoryEstimate(params=params, grads=grads, optimizer_states=opt, hpz_secondary=hpz,
                           live_params=live, buffers=buffers,
-                          activations=activations.total if activations else 0,
+                          activations=device_act,
                           nvme_per_rank=nvme, gpus_per_node=gpus_per_node, notes=tuple(notes),
                           host_params=host_params, host_grads=host_grads, host_optimizer_states=host_opt,
-                          host_buffers=host_buf)
+                          host_buffers=host_buf, host_activations=host_act, nvme_activations=nvme_act)
 
 
 def engine_sub_group(s: Strategy) -> int:
