@@ -226,6 +226,11 @@ class ActivationOffload:
             self._free.append(buf)
             block = False
 
+    def flush(self) -> None:
+        """Wait for every write in flight (NVMe)."""
+        while self._writing:
+            self._reclaim(block=True)
+
     def _write(self, entry: _Saved, t: torch.Tensor) -> None:
         buf = self._staging(entry.nbytes)
         buf[:entry.nbytes].view(t.dtype).view(t.shape).copy_(t)  # on CUDA a synchronous device -> host copy
