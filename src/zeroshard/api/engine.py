@@ -193,8 +193,10 @@ class Engine:
         started = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
         self.grads.begin_backward(boundary, self.micro_steps % gas == 0)
-        self.grads.on_final = self._step_ready if self.step_early and boundary else None
-        if self.grads.on_final is not None:
+        early = self.step_early and boundary
+        self.grads.on_final = self._grad_final if early else None
+        self.grads.on_overlap = self._step_queued if early else None
+        if early:
             self.optimizer.forget_early()
         self.params.begin_backward()
         scale = self.loss_scaler.scale / gas
@@ -206,9 +208,13 @@ class Engine:
         self._timers["backward"] += time.perf_counter() - started
         return loss
 
-    def _step_ready(self, b: int) -> None:
-        """Bucket b's reduced gradient is final (during backward): step its sub-group if ready."""
-        self.optimizer.step_ready(b, self.grads.grad_shard, 1.0, self.params.publish)
+    def _grad_final(self, b: int) -> None:
+        """Bucket b's reduced gradient is final (during backward): its sub-group may step."""
+        self.optimizer.grad_final(b, self.grads.grad_shard, 1.0, self.params.publish)
+
+    def _step_queued(self) -> None:
+        """A reduction was just issued: step the final sub-groups now, overlapping it."""
+        self.optimizer.step_queued(1.0, self.params.publish)
 
     def step(self) -> None:
         """At the accumulation boundary: clip, step the sharded optimizer, publish parameters."""

@@ -69,6 +69,7 @@ class ShardedOptimizer:
         self._sub_group_of = {b: k for k, indices in enumerate(self._sub_groups) for b in indices}
         self._final: dict[int, set[int]] = {}  # sub-group -> its buckets whose gradients are final
         self._stepped: set[int] = set()  # sub-groups stepped early (during backward) this step
+        self._queued: list[tuple[int, Any]] = []  # final sub-groups whose gradients are being staged
         self._swap = _nvme_swap(self, build, group_options, swap_buffers)  # None unless a tier is nvme
         self._count_states()
 
@@ -102,6 +103,7 @@ class ShardedOptimizer:
         `scale` folds loss-scale removal and clipping into one multiply. A gradient
         already in fp32 is scaled in place (the engine clears it after the step
         anyway); a 16-bit one is upcast into a temporary that lives for one sub-group."""
+        self.step_queued(scale, after_bucket)  # none left after an engine backward; kept safe
         todo = [k for k in range(len(self._sub_groups)) if k not in self._stepped]
         staged = self._staging.start(self._sub_groups[todo[0]], grad_shard) if todo else None
         for i, k in enumerate(todo):
@@ -128,18 +130,31 @@ class ShardedOptimizer:
         """A new accumulation boundary: no sub-group has stepped early yet."""
         self._stepped.clear()
         self._final.clear()
+        self._queued.clear()
 
-    def step_ready(self, b: int, grad_shard: Callable[[int], torch.Tensor], scale: float,
+    def grad_final(self, b: int, grad_shard: Callable[[int], torch.Tensor], scale: float,
                    after_bucket: Callable[[int], None]) -> None:
-        """Bucket b's gradient shard is final: step its sub-group now if all its buckets are.
-        The next `step()` steps only the sub-groups not stepped this way."""
+        """Bucket b's gradient shard is final (during backward). Once every bucket of its
+        sub-group is, the sub-group's gradients start their copy to the master's memory (a
+        side stream on CUDA) and it steps at the next `step_queued`: the engine calls that right
+        after the next reduction is issued, so the copy and the step overlap it. The next
+        `step()` steps only the sub-groups not stepped this way."""
         k = self._sub_group_of[b]
         self._final.setdefault(k, set()).add(b)
         if k in self._stepped or len(self._final[k]) < len(self._sub_groups[k]):
             return
         self._stepped.add(k)
-        grads = self._staging.finish(self._staging.start(self._sub_groups[k], grad_shard))
-        self._step_sub_group(k, grads, scale, after_bucket)
+        if self._queued:  # two staging buffers: the queued sub-group steps before a third is filled
+            self.step_queued(scale, after_bucket)
+        self._queued.append((k, self._staging.start(self._sub_groups[k], grad_shard)))
+
+    def step_queued(self, scale: float, after_bucket: Callable[[int], None]) -> None:
+        """Step the sub-groups whose gradients became final since the last call."""
+        if not self._queued:
+            return
+        while self._queued:
+            k, staged = self._queued.pop(0)
+            self._step_sub_group(k, self._staging.finish(staged), scale, after_bucket)
         self._count_states()  # a first step creates states: the ledger sees them when they exist
 
     def _step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float,

@@ -63,9 +63,12 @@ class BucketedGradients:
         self.reduce_dtype, self.overlap, self.ignore_unused = reduce_dtype, overlap, ignore_unused
         self._state = _MicroState()
         self._pending: list[_Pending] = []
-        # called with bucket b once its gradient shard is final (at the accumulation boundary,
-        # after its reduction landed): the engine steps the optimizer there, during backward
+        # stepping during backward: `on_final(b)` once bucket b's gradient shard is final (at the
+        # accumulation boundary, its reduction landed), and `on_overlap()` right after the next
+        # reduction is issued (and once when backward ends): what the engine does then (a
+        # sub-group's step) overlaps that reduction instead of waiting in front of it
         self.on_final: Callable[[int], None] | None = None
+        self.on_overlap: Callable[[], None] | None = None
         self._hooks = Hooks()
         for b, bucket in enumerate(buckets):
             for s, p in enumerate(bucket.params):
@@ -94,6 +97,8 @@ class BucketedGradients:
                 if not st.launched[b]:
                     self._launch(b)
         self.wait_all()
+        if st.boundary and self.on_overlap is not None:
+            self.on_overlap()
         self._state = _MicroState()  # a later backward outside the engine schedules nothing
 
     def wait_all(self) -> None:
@@ -138,6 +143,8 @@ class BucketedGradients:
             self._after_reduce(b, full)
 
         self._pending.append(_Pending(b, handle, finish))
+        if self._state.boundary and self.on_overlap is not None:
+            self.on_overlap()
         while len(self._pending) > self._max_in_flight():
             self._retire(self._pending.pop(0))
 

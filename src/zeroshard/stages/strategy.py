@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zeroshard.comm import Comm, QuantizedHierarchicalReduceScatter
 from zeroshard.partition import FlatBucket, MemoryLedger
-from zeroshard.policies import ConfigError, NotSupportedYetError, Settings, Stage
+from zeroshard.policies import ConfigError, NotSupportedYetError, OffloadDevice, Settings, Stage
 from zeroshard.stages.gradients import (
     MAX_IN_FLIGHT,
     AllReducedGradients,
@@ -47,6 +47,8 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
 def step_during_backward(settings: Settings, optimizer_can: bool) -> tuple[bool, str]:
     """Whether each optimizer sub-group steps as soon as its gradient shard is final (during
     backward, overlapping the rest of it and its reductions), and the start-up line saying why.
+    At stage 3 a unit's shard is updated once its gradients are reduced: backward never reads
+    it again (its own gathered copy, or the hpZ secondary, serve the rest of the pass).
 
     Global clipping needs the norm of every gradient before any step, and an fp16 overflow
     anywhere skips the step everywhere: both wait for the end of backward, as DeepSpeed always
@@ -57,8 +59,9 @@ def step_during_backward(settings: Settings, optimizer_can: bool) -> tuple[bool,
         forbid.append(f"gradient_clipping = {settings.gradient_clipping:g} needs the global norm first")
     if settings.precision.loss_scale is not None:
         forbid.append("fp16 loss scaling must see every gradient for overflow first")
-    if settings.zero.stage == Stage.PARAMETERS:
-        forbid.append("stage 3 steps after backward (not built for units yet)")
+    if settings.zero.offload_param.device == OffloadDevice.NVME:
+        forbid.append("offload_param nvme reads parameter shards ahead along the recorded order, "
+                      "which an update during backward would overtake")
     if not optimizer_can:
         forbid.append("the NVMe tier pipelines the sub-groups in order after backward")
     if asked is False:
