@@ -112,6 +112,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one Parameter, two users
+        # True: each block runs under zeroshard's activation checkpointing (its kept input lives on
+        # the tier the engine's config names: device, host with cpu_checkpointing, or NVMe files)
+        self.checkpoint_blocks = False
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -141,7 +144,12 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
-            x = block(x)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                from zeroshard.offload.activations import checkpoint
+
+                x = checkpoint(block, x)
+            else:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
