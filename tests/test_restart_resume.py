@@ -5,7 +5,11 @@ the uninterrupted run saw at those steps, and end with the same parameters and o
 bit for bit in fp32, as a run that was never interrupted.
 
 The kill comes from the worker's test hook ZEROSHARD_TEST_KILL_AT=RANK:STEP (first attempt only).
-The in-process tests below cover the resume decision itself on one rank."""
+The in-process tests below cover the resume decision itself on one rank.
+
+The two-job form with the bit-for-bit comparison is marked `slow` (`python -m pytest -m slow`).
+The default run has the short form: the killed job alone, 4 steps with a checkpoint every 2 and
+rank 1 killed at step 3, which must be restarted by torchrun and resume from global_step2."""
 
 from __future__ import annotations
 
@@ -18,41 +22,60 @@ import pytest
 import torch
 from checkpoint_files import assert_bit_equal, checkpoint_tensors, client_state
 
-STEPS, EVERY, KILL = 8, 4, 6
+STEPS, EVERY, KILL = 8, 4, 6  # the long form
+SHORT_STEPS, SHORT_EVERY, SHORT_KILL = 4, 2, 3  # the default run's short form
 
 
-def _train(cwd, save: str, *extra: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _train(cwd, save: str, *extra: str, env_extra: dict | None = None, steps: int = STEPS,
+           every: int = EVERY) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", "ZEROSHARD_TEST_KILL_AT")}
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", "--model", "tiny", "--seq-len", "16",
-           "--micro-batch", "4", "--steps", str(STEPS), "--save", save, "--save-every", str(EVERY),
+           "--micro-batch", "4", "--steps", str(steps), "--save", save, "--save-every", str(every),
            "--report", "", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+
+
+def _killed(cwd, steps: int, every: int, kill: int) -> subprocess.CompletedProcess:
+    return _train(cwd, "restarted", "--max-restarts", "1", env_extra={"ZEROSHARD_TEST_KILL_AT": f"1:{kill}"},
+                  steps=steps, every=every)
+
+
+def _assert_restarted_and_resumed(cwd, killed, steps: int, every: int) -> None:
+    assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert "exitcode: -9" in killed.stderr  # torchrun saw rank 1 die of SIGKILL, then restarted it
+    out = " ".join(killed.stdout.split())
+    assert f"resumed at step {every} from restarted/global_step{every} (torchrun restart 1:" in out, out[-3000:]
+    # the second attempt trained steps every..steps-1 only, not all of them from scratch
+    assert f"for {steps - every} steps" in out, out[-2000:]
+    assert (cwd / "restarted" / "latest").read_text().strip() == f"global_step{steps}"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("restart")
     ref = _train(cwd, "uninterrupted")
-    killed = _train(cwd, "restarted", "--max-restarts", "1", env_extra={"ZEROSHARD_TEST_KILL_AT": f"1:{KILL}"})
+    killed = _killed(cwd, STEPS, EVERY, KILL)
     return cwd, ref, killed
 
 
+@pytest.mark.timeout(900)  # one torchrun job, restarted once; its two attempts are most of it
+def test_short_form_the_killed_rank_is_restarted_and_the_job_resumes_from_latest(tmp_path):
+    killed = _killed(tmp_path, SHORT_STEPS, SHORT_EVERY, SHORT_KILL)
+    _assert_restarted_and_resumed(tmp_path, killed, SHORT_STEPS, SHORT_EVERY)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # two torchrun jobs; ~1 min on an idle 2-core machine, far more when it is shared
 def test_the_killed_rank_is_restarted_and_the_job_resumes_from_latest(runs):
     cwd, ref, killed = runs
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    assert killed.returncode == 0, killed.stdout[-3000:] + killed.stderr[-3000:]
-    assert "exitcode: -9" in killed.stderr  # torchrun saw rank 1 die of SIGKILL, then restarted it
-    out = " ".join(killed.stdout.split())
-    assert "resumed at step 4 from restarted/global_step4 (torchrun restart 1:" in out, out[-3000:]
-    # the second attempt trained steps 4..7 only: 4 steps, not 8 from scratch
-    assert f"for {STEPS - EVERY} steps" in out, out[-2000:]
+    _assert_restarted_and_resumed(cwd, killed, STEPS, EVERY)
     assert "resumed" not in ref.stdout
-    assert (cwd / "restarted" / "latest").read_text().strip() == f"global_step{STEPS}"
 
 
+@pytest.mark.slow
 def test_final_parameters_and_optimizer_states_equal_the_uninterrupted_run_bit_for_bit(runs):
     cwd, ref, killed = runs
     assert ref.returncode == 0 and killed.returncode == 0
