@@ -7,6 +7,10 @@ checkpoint at steps 3 and 6. Run B: `zeroshard train --nnodes 2 --node-rank I --
 A's step-3 checkpoint: it resumes there, and its step-6 checkpoint equals A's bit for bit. Each
 rank sees LOCAL_WORLD_SIZE 1, so zeroshard's topology is two nodes of one rank. Ports are chosen
 free at run time; a run that does not finish within the timeout is killed with its process group.
+
+Runs A and B are marked `slow` (`python -m pytest -m slow`). The default run has the short form:
+`zeroshard train --nnodes 2` (zeroshard's own launcher, as run B) on both nodes from scratch, 2 steps
+and a checkpoint at the end, which must be one stage-3 job of both nodes' ranks that saves both shards.
 """
 
 from __future__ import annotations
@@ -56,6 +60,13 @@ def run_nodes(commands: list[list[str]], cwd) -> list[subprocess.CompletedProces
     return results
 
 
+def _zeroshard_nodes(train: list[str], save: str) -> list[list[str]]:
+    port = free_port()
+    return [[sys.executable, "-m", "zeroshard.cli.main", "train", "--nproc", "1", "--nnodes", "2",
+             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             *train, "--save", save] for node in (0, 1)]
+
+
 def _show(results) -> str:
     return "\n".join(f"--- node {i} rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
                      for i, r in enumerate(results))
@@ -73,15 +84,31 @@ def two_node_runs(tmp_path_factory):
         os.makedirs(cwd / "b")
         shutil.copytree(cwd / "a" / "global_step3", cwd / "b" / "global_step3")
         (cwd / "b" / "latest").write_text("global_step3")
-        port = free_port()
-        b = run_nodes([[sys.executable, "-m", "zeroshard.cli.main", "train", "--nproc", "1", "--nnodes", "2",
-                        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                        *TRAIN, "--save", "b"] for node in (0, 1)], cwd)
+        b = run_nodes(_zeroshard_nodes(TRAIN, "b"), cwd)
     else:
         b = None
     return cwd, a, b
 
 
+SHORT_TRAIN = ["--model", "tiny", "--seq-len", "16", "--micro-batch", "4", "--steps", "2", "--save-every", "2",
+               "--report", ""]
+
+
+@pytest.mark.timeout(900)  # two agents and ranks in one run
+def test_short_form_zeroshard_train_on_two_nodes_trains_and_saves(tmp_path):
+    results = run_nodes(_zeroshard_nodes(SHORT_TRAIN, "s"), tmp_path)
+    assert all(r.returncode == 0 for r in results), _show(results)
+    out = " ".join("".join(r.stdout for r in results).split())
+    assert out.count("zeroshard train: summary") == 1  # rank 0 prints it, on whichever node it is
+    assert "3 / 2 (gloo)" in out  # stage 3 over both nodes' ranks
+    assert "for 2 steps" in out and "resumed" not in out
+    assert (tmp_path / "s" / "latest").read_text().strip() == "global_step2"
+    assert sorted(os.listdir(tmp_path / "s" / "global_step2")) == [
+        "meta.json", "rank00000.model.safetensors", "rank00000.optim.safetensors",
+        "rank00001.model.safetensors", "rank00001.optim.safetensors"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # four agents and ranks in two runs; ~1 min on an idle 2-core machine
 def test_two_torchrun_agents_with_c10d_rendezvous_train_and_save(two_node_runs):
     cwd, a, _ = two_node_runs
@@ -95,6 +122,7 @@ def test_two_torchrun_agents_with_c10d_rendezvous_train_and_save(two_node_runs):
         "rank00001.model.safetensors", "rank00001.optim.safetensors"]
 
 
+@pytest.mark.slow
 def test_a_second_two_node_run_resumes_the_checkpoint_and_ends_bit_equal(two_node_runs):
     cwd, a, b = two_node_runs
     assert b is not None, "run A failed"
