@@ -1,6 +1,7 @@
 """Print one table (markdown) from the peer harness' results: bench/peer-results/<tag>/.
 
     python bench/peer_table.py bench/peer-results/50M_fp32
+    python bench/peer_table.py bench/peer-results/50M_fp32_r*     # rounds: per-round ratios, their median
 
 Step time: per step the max over ranks, median over the timed steps, with min-max spread;
 peak RSS per rank over the timed steps (high-water mark reset at the first timed step);
@@ -30,7 +31,7 @@ def load(folder: str) -> dict[str, dict]:
     return out
 
 
-def main(folder: str) -> None:
+def main(folder: str) -> dict[str, float]:
     runs = load(folder)
     print(f"| system | step median s | spread (min-max) | tokens/s | peak RSS MiB r0/r1 | model states MiB r0 |")
     print("|---|---|---|---|---|---|")
@@ -48,7 +49,29 @@ def main(folder: str) -> None:
     for a, b in RATIOS:
         if a in medians and b in medians:
             print(f"| {a} / {b} | {medians[a] / medians[b]:.3f} |")
+    return medians
+
+
+def rounds(folders: list[str]) -> None:
+    """Several rounds of the same systems: each round's table, then per ratio every round's value
+    and their median (each ratio is taken within one round, so drift between rounds cancels)."""
+    per_round = []
+    for folder in folders:
+        print(f"### {os.path.basename(folder.rstrip('/'))}\n")
+        per_round.append(main(folder))
+        print()
+    print(f"### {len(folders)} rounds\n")
+    print("| ratio of median step times | per round | median of rounds |")
+    print("|---|---|---|")
+    for a, b in RATIOS:
+        values = [m[a] / m[b] for m in per_round if a in m and b in m]
+        if values:
+            print(f"| {a} / {b} | {', '.join(f'{v:.3f}' for v in values)} | {statistics.median(values):.3f} |")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench/peer-results/50M_fp32")
+    args = sys.argv[1:] or ["bench/peer-results/50M_fp32"]
+    if len(args) == 1:
+        main(args[0])
+    else:
+        rounds(args)
