@@ -319,7 +319,6 @@ _NSY = [
     ({"gradient_allreduce_op": "sum"}, 'gradient_allreduce_op = "sum"'),
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation = false"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
-    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile = true"),
     ({"compile": {"enabled": True}}, "compile.enabled = true"),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel"),

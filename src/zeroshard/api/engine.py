@@ -420,6 +420,8 @@ class Engine:
         self.optimizer.close()  # the nvme tier's files go
         for tier in self._param_tiers():
             tier.close()
+        if getattr(self, "activation_offload", None) is not None:  # set by initialize(); its files go
+            self.activation_offload.close()
         self.topology.destroy()
 
     # -- internals ----------------------------------------------------------------------------
