@@ -41,6 +41,7 @@ from zeroshard.optim.schedulers import build_scheduler
 from zeroshard.optim.sharded import ShardedOptimizer
 from zeroshard.optim.template import OptimizerArg, plan_optimizer
 from zeroshard.partition import MemoryLedger
+from zeroshard.partition.buffer_pool import BufferPool
 from zeroshard.policies import ConfigError, Settings, Stage
 from zeroshard.stages.stage3_assembly import build_stage3, make_runtime
 from zeroshard.stages.strategy import step_during_backward
@@ -71,6 +72,8 @@ class Engine:
         self.settings, self.topology = settings, topology
         self.comm = Comm(topology, CommLedger(topology.world_size), settings.runtime.comm_timeout_s)
         self.memory = MemoryLedger()
+        self.pool = BufferPool(self.memory)  # large transient buffers reused, not re-faulted
+        self.comm.pool = self.pool
         self.compute_dtype = settings.precision.compute.dtype
         if settings.zero.stage != Stage.PARAMETERS:
             module.to(topology.device)  # stage 3 moves one unit at a time
@@ -124,7 +127,7 @@ class Engine:
         self._cast_rest()
         self.frozen_buckets: list = []
         self.units: list = []
-        self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory)
+        self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory, self.pool)
         publisher = ParamPublisher(self.buckets, self.comm, self.memory, zero.allgather_bucket_size)
         self.params = ReplicatedParams(publisher if self.grads.publishes_params else None)
         return masters
@@ -139,8 +142,11 @@ class Engine:
         self._cast_rest()
         self.frozen_buckets = s3.frozen
         self.units = s3.units
+        for unit in self.units:
+            for bucket in unit.buckets:
+                bucket.pool = self.pool
         self.unit_rule = s3.rule
-        self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory)
+        self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory, self.pool)
         runtime = make_runtime(s3, self.comm, self.memory, self.settings)
         publisher = ParamPublisher(self.buckets, self.comm, self.memory, self.settings.zero.allgather_bucket_size)
         self.params = PartitionedParams(runtime, publisher, s3.persistent)

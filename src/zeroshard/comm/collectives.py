@@ -65,6 +65,7 @@ class Comm:
         self.timeout_s = timeout_s
         self.on_group = group if group is not None else topology.world
         self._root = root
+        self.pool = None  # a BufferPool for receive buffers (set by the engine on the root comm)
         self._where = "start-up"  # set by the engine: "step 12, backward", ...
 
     @property
@@ -153,10 +154,15 @@ class Comm:
         bytes) and copies one chunk out. Here every rank sends chunk j of `input` to rank j
         (an all-to-all: (N-1)/N of the tensor, what the ledger counts) and the wait sums the N
         chunks it received. Same result, half the bytes, no blocking copy at the call."""
-        received = torch.empty_like(input)
+        pool = self._root.pool if self._root is not None else self.pool
+        flat = pool.empty(input.numel(), input.dtype, input.device) if pool is not None else \
+            torch.empty(input.numel(), dtype=input.dtype, device=input.device)
+        received = flat.view_as(input)
 
         def finish() -> None:
             torch.sum(received.view(self.world_size, -1), dim=0, out=output.view(-1))
+            if pool is not None:
+                pool.give(flat)
 
         return self._issue("reduce_scatter", input, input.numel(), what,
                            lambda: dist.all_to_all_single(received, input, group=self.group, async_op=True),

@@ -26,6 +26,7 @@ class UnitBucket(FlatBucket):
         self._dtype, self._device = self.data.dtype, self.data.device
         self._home = None  # a tier (zeroshard.offload) holding the shard, when not the device
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's slice within its hpZ group
+        self.pool = None  # a BufferPool reusing full buffers between gathers (set by the assembly)
 
     @property
     def label(self) -> str:
@@ -72,7 +73,9 @@ class UnitBucket(FlatBucket):
 
     def new_full(self) -> torch.Tensor:
         """An empty full buffer for an all-gather, counted as live parameters."""
-        full = torch.empty(self.layout.padded_numel, dtype=self._dtype, device=self._device)
+        n = self.layout.padded_numel
+        full = self.pool.empty(n, self._dtype, self._device) if self.pool is not None else \
+            torch.empty(n, dtype=self._dtype, device=self._device)
         self.memory.hold("params", f"{self.key}.full", full.numel() * full.element_size())
         return full
 
@@ -98,6 +101,8 @@ class UnitBucket(FlatBucket):
                          dtype=self._dtype, device=self._device)
         for slot, param in zip(self.layout.slots, self.params):
             param.data = nan.expand(slot.shape)
+        if self.pool is not None:
+            self.pool.give(self.data)
         self.data = None
         self.memory.release("params", f"{self.key}.full")
         self.memory.release("comm_buffers", f"{self.key}.fetch")

@@ -293,9 +293,9 @@ class PartitionedGradients(_Scatter, BucketedGradients):
     complete), and every micro-step reduces, so nothing full is kept across micro-steps."""
 
     def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False,
-                 max_in_flight: int = MAX_IN_FLIGHT, reducer=None, **kwargs) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, reducer=None, pool=None, **kwargs) -> None:
         self.contiguous, self.use_all_reduce, self.max_in_flight = contiguous, use_all_reduce, max_in_flight
-        self.reducer = reducer
+        self.reducer, self.pool = reducer, pool  # pool: a BufferPool for the full buffers, or None
         super().__init__(*args, **kwargs)
         self.shards = []
         for bucket in self.buckets:
@@ -321,8 +321,10 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         """The bucket's full gradient buffer, uninitialised: each slot is copied on its first
         gradient, and what no gradient reached is zeroed at launch (no full zero-fill)."""
         if b not in self._full:
-            self._full[b] = torch.empty(self.buckets[b].layout.padded_numel, dtype=self.buckets[b].dtype,
-                                        device=self.buckets[b].device)
+            bucket = self.buckets[b]
+            n = bucket.layout.padded_numel
+            self._full[b] = self.pool.empty(n, bucket.dtype, bucket.device) if self.pool is not None else \
+                torch.empty(n, dtype=bucket.dtype, device=bucket.device)
             self._written[b] = set()
             nbytes = self._full[b].numel() * self._full[b].element_size()
             self.memory.hold("grads", f"{self.buckets[b].key}.full", nbytes)
@@ -364,7 +366,9 @@ class PartitionedGradients(_Scatter, BucketedGradients):
             self.shards[b].copy_(full[lo:hi])
         else:
             self.shards[b].add_(full[lo:hi])
-        del self._full[b]
+        done = self._full.pop(b)
+        if self.pool is not None:
+            self.pool.give(done)
         self.memory.release("grads", f"{self.buckets[b].key}.full")
 
     def grad_shard(self, b: int) -> torch.Tensor:
