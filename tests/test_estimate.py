@@ -132,7 +132,7 @@ def test_hpz_secondary_copy_and_stage3_live_params():
     m = estimate_memory(sh, Strategy(stage=3, hpz_partition_size=4, quantized_weights=True), n=16)
     assert m.hpz_secondary == 2 * sh.params // 4
     assert m.live_params == 2 * 2 * sh.largest_unit  # unit in use + prefetched unit, bf16
-    assert m.buffers == 2 * sh.largest_unit
+    assert m.buffers == 2 * 2 * sh.largest_unit  # two units' bf16 gradients: one reducing, one filling
 
 
 def test_strategy_rejects_impossible_combinations():

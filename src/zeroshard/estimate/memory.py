@@ -391,7 +391,8 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         unit = shape.largest_unit
         in_flight = unit + min(s.prefetch_bucket_size, unit)
         live = pb * min(phi, max(unit, min(in_flight, s.max_live_parameters)))
-        buffers = gb * shape.largest_unit_trainable  # the unit's full gradient, until its reduce-scatter
+        # two units' full gradients: one reduce-scattering while the next one fills
+        buffers = 2 * gb * shape.largest_unit_trainable
         if s.offload_param == OffloadDevice.CPU:
             host_params, params = params, 0
             if not s.host_is_device:  # gather_input: a device copy of the unit's shard, fetched from the host

@@ -27,11 +27,11 @@ from zeroshard.partition import FlatBucket, MemoryLedger, slot_views
 from zeroshard.policies import ZeroShardError
 from zeroshard.stages.hooks import Hooks
 
-# stage 2: buckets whose reduction may still run when the next one launches; with 1, at most
-# two full gradient buffers exist (one reducing, one filling). Stage 3 uses 0: a unit's
-# reduce-scatter finishes before the next unit's gradients arrive, so one unit-sized
-# buffer exists at a time (on CUDA the wait only orders streams; on gloo the call mostly
-# blocks anyway), keeping stage 3's peak at FSDP's.
+# stages 2 and 3: buckets whose reduction may still run when the next one launches; with 1, at
+# most two full gradient buffers exist (one reducing, one filling), as in FSDP, whose unit's
+# reduce-scatter runs while the next unit computes. (Stage 3 used 0 while gloo's reduce-scatter
+# blocked the caller; as an all-to-all it does not, and 1 measured 0.89x stage 3's step time,
+# 3.45/3.56 s against 4.03/3.74 s in two interleaved rounds of the peer harness at 50M.)
 MAX_IN_FLIGHT = 1
 
 

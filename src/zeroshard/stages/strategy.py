@@ -40,8 +40,7 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
             reducer = QuantizedHierarchicalReduceScatter(comm, hierarchy)
         return PartitionedGradients(buckets, comm, memory, contiguous=zero.contiguous_gradients,
                                     use_all_reduce=not zero.reduce_scatter and reducer is None, reducer=reducer,
-                                    pool=pool,
-                                    max_in_flight=0 if zero.stage == Stage.PARAMETERS else MAX_IN_FLIGHT, **common)
+                                    pool=pool, max_in_flight=MAX_IN_FLIGHT, **common)
     raise NotSupportedYetError(f"zero_optimization.stage = {int(zero.stage)}: not supported")
 
 
