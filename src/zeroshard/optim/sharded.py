@@ -135,10 +135,10 @@ class ShardedOptimizer:
     def grad_final(self, b: int, grad_shard: Callable[[int], torch.Tensor], scale: float,
                    after_bucket: Callable[[int], None]) -> None:
         """Bucket b's gradient shard is final (during backward). Once every bucket of its
-        sub-group is, the sub-group's gradients start their copy to the master's memory (a
-        side stream on CUDA) and it steps at the next `step_queued`: the engine calls that right
-        after the next reduction is issued, so the copy and the step overlap it. The next
-        `step()` steps only the sub-groups not stepped this way."""
+        sub-group is, it steps: at once where its gradients are in the master's memory already,
+        else their copy starts (a side stream on CUDA) and it steps at the next `step_queued`,
+        which the engine calls right after the next reduction is issued, so that the copy
+        overlaps backward. The next `step()` steps only the sub-groups not stepped this way."""
         k = self._sub_group_of[b]
         self._final.setdefault(k, set()).add(b)
         if k in self._stepped or len(self._final[k]) < len(self._sub_groups[k]):
@@ -146,7 +146,10 @@ class ShardedOptimizer:
         self._stepped.add(k)
         if self._queued:  # two staging buffers: the queued sub-group steps before a third is filled
             self.step_queued(scale, after_bucket)
-        self._queued.append((k, self._staging.start(self._sub_groups[k], grad_shard)))
+        staged = self._staging.start(self._sub_groups[k], grad_shard)
+        self._queued.append((k, staged))
+        if staged[1] is None:  # no copy to wait for (same memory, or done): step now
+            self.step_queued(scale, after_bucket)
 
     def step_queued(self, scale: float, after_bucket: Callable[[int], None]) -> None:
         """Step the sub-groups whose gradients became final since the last call."""
