@@ -29,6 +29,11 @@ def _sole_owner(t: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
 
+def empty_from(pool: "BufferPool | None", numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """`pool.empty(...)`, or a plain new buffer where there is no pool."""
+    return pool.empty(numel, dtype, device) if pool is not None else torch.empty(numel, dtype=dtype, device=device)
+
+
 class BufferPool:
     def __init__(self, memory: MemoryLedger, min_bytes: int | None = None, keep: int = 2) -> None:
         self.memory, self.keep = memory, keep

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zeroshard.partition.buffer_pool import empty_from
 from zeroshard.partition.flat_bucket import FlatBucket, slot_views
 from zeroshard.partition.layout import BucketLayout
 from zeroshard.partition.memory import MemoryLedger
@@ -73,9 +74,7 @@ class UnitBucket(FlatBucket):
 
     def new_full(self) -> torch.Tensor:
         """An empty full buffer for an all-gather, counted as live parameters."""
-        n = self.layout.padded_numel
-        full = self.pool.empty(n, self._dtype, self._device) if self.pool is not None else \
-            torch.empty(n, dtype=self._dtype, device=self._device)
+        full = empty_from(self.pool, self.layout.padded_numel, self._dtype, self._device)
         self.memory.hold("params", f"{self.key}.full", full.numel() * full.element_size())
         return full
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from zeroshard.comm import Comm, Handle
 from zeroshard.partition import FlatBucket, MemoryLedger, slot_views
+from zeroshard.partition.buffer_pool import empty_from
 from zeroshard.policies import ZeroShardError
 from zeroshard.stages.hooks import Hooks
 
@@ -322,9 +323,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         gradient, and what no gradient reached is zeroed at launch (no full zero-fill)."""
         if b not in self._full:
             bucket = self.buckets[b]
-            n = bucket.layout.padded_numel
-            self._full[b] = self.pool.empty(n, bucket.dtype, bucket.device) if self.pool is not None else \
-                torch.empty(n, dtype=bucket.dtype, device=bucket.device)
+            self._full[b] = empty_from(self.pool, bucket.layout.padded_numel, bucket.dtype, bucket.device)
             self._written[b] = set()
             nbytes = self._full[b].numel() * self._full[b].element_size()
             self.memory.hold("grads", f"{self.buckets[b].key}.full", nbytes)
