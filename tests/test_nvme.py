@@ -44,6 +44,8 @@ CASES = [
     # parameters and optimizer states in files
     (Case(stage=3, optimizer="sgd", zero=NO_REUSE, steps=S), nvme_both),
     (Case(stage=3, optimizer="adamw", gas=2, clip=0.5, zero=NO_REUSE, steps=S), nvme_both),
+    # bf16: the build writes each unit's fp32 masters to the file as it goes
+    (Case(stage=3, optimizer="adamw", precision="bf16", zero=NO_REUSE, steps=S), nvme_both),
 ]
 
 
@@ -154,17 +156,18 @@ def results(tmp_path_factory):
 def _id(item):
     case, offload = item
     keys = offload("x")
-    return (f"z{case.stage}-{case.optimizer}-gas{case.gas}-buffers{keys['offload_optimizer'].get('buffer_count', 4)}"
+    return (f"z{case.stage}-{case.optimizer}-gas{case.gas}-{case.precision}-buffers{keys['offload_optimizer'].get('buffer_count', 4)}"
             + ("-params" if "offload_param" in keys else ""))
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[_id(c) for c in CASES])
 def test_nvme_optimizer_trains_like_one_process_and_equals_no_offload(i, results):
     case, _ = CASES[i]
-    ref = train_reference(case, WORLD)
+    ref = train_reference(case, WORLD) if case.precision == "fp32" else None  # bf16: equal to the plain run
     for r in (rank["cases"][i] for rank in results):
         assert r["sub_groups"] > 1
-        assert_matches(case, r["nvme"], ref)
+        if ref is not None:
+            assert_matches(case, r["nvme"], ref)
         for name, value in r["plain"].items():  # same memory, same arithmetic: bit for bit
             assert torch.equal(r["nvme"][name], value), name
 

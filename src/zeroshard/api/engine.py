@@ -34,7 +34,7 @@ from zeroshard.api.banner import startup_banner
 from zeroshard.api.gathered import register_engine
 from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.config.model_defaults import choose_for_model
-from zeroshard.offload import host_step_threads, optimizer_tiers, store_value
+from zeroshard.offload import host_step_threads, optimizer_offload_tier, optimizer_tiers, store_value
 from zeroshard.optim.clipping import clip_coefficient, global_grad_norm
 from zeroshard.optim.loss_scaler import make_loss_scaler
 from zeroshard.optim.schedulers import build_scheduler
@@ -83,6 +83,8 @@ class Engine:
         self.settings = settings = choose_for_model(settings, sum(p.numel() for p in parts.trainable))
         zero = settings.zero
         self.plan = plan_optimizer(optimizer, settings.optimizer, parts.trainable, topology.device)
+        offload = optimizer_offload_tier(zero.offload_optimizer, topology.device, settings.aio, topology.rank)
+        self._master_writer = self._early_masters(offload)
         if zero.stage == Stage.PARAMETERS:
             masters = self._assemble_stage3(parts)
         else:
@@ -93,7 +95,7 @@ class Engine:
         # a sub-group's 16-bit gradients are upcast to fp32 together: at most one bucket's worth
         sub_group = min(zero.sub_group_size, zero.reduce_bucket_size)
         sizes = [b.shard().numel() for b in self.buckets]
-        tiers = optimizer_tiers(zero.offload_optimizer, sizes, topology.device, settings.aio, topology.rank)
+        tiers = optimizer_tiers(zero.offload_optimizer, sizes, topology.device, offload)
         self.host_threads = host_step_threads(topology.local_world_size)[1] if any(
             t.name in ("host", "nvme") for t in tiers) else ""
         self.nvme_lines = self._prepare_nvme(tiers, sizes)
@@ -136,7 +138,7 @@ class Engine:
         """Stage 3: units sharded at rest, small parameters whole, gathered by the runtime."""
         topo = self.topology
         s3 = build_stage3(self.module, parts, self.plan.group_of, self.settings, self.comm, self.memory,
-                          topo.device)
+                          topo.device, self._master_writer)
         self.buckets = s3.trainable
         masters = s3.masters
         self._cast_rest()
@@ -158,12 +160,30 @@ class Engine:
                  if (t := getattr(b, "_home", None)) is not None}
         return list(homes.values())
 
+    def _early_masters(self, offload):
+        """Stage 3 in 16 bits with every master in NVMe files: the build writes each unit's fp32
+        masters to the file as it goes (`MasterWriter`) instead of holding them all until the
+        optimizer is made. None otherwise (fp32 steps the shards themselves; a `ratio` below 1
+        decides per shard once every size is known)."""
+        zero = self.settings.zero
+        if (offload is None or offload.name != "nvme" or zero.stage != Stage.PARAMETERS
+                or zero.offload_optimizer.ratio < 1.0 or self.compute_dtype == torch.float32):
+            return None
+        from zeroshard.optim.nvme_swap import MasterWriter
+
+        return MasterWriter(offload, self.plan.build, self.plan.group_options, self.topology.local_world_size,
+                            zero.offload_optimizer)
+
     def _prepare_nvme(self, tiers, sizes: list[int]) -> list[str]:
-        """offload_optimizer: nvme: space check and I/O self-test before any shard is written."""
+        """offload_optimizer: nvme: space check and I/O self-test before any shard is written
+        (done by the build already when it wrote the masters as it went)."""
         nvme = [t for t in tiers if t.name == "nvme"]
         params = [line for t in self._param_tiers() for line in getattr(t, "startup_lines", [])]
         if not nvme:
             return params
+        if self._master_writer is not None:
+            return params + self._master_writer.lines + [
+                "nvme optimizer masters: written to the file unit by unit as the model was built"]
         from zeroshard.optim.nvme_swap import prepare_disk
 
         return params + prepare_disk(nvme[0], [n for n, t in zip(sizes, tiers) if t.name == "nvme"], self.plan.build,

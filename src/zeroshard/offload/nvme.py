@@ -234,7 +234,10 @@ class NvmeTier(Tier):
 
     # -- the Tier interface ----------------------------------------------------------------------
     def place(self, tensor: torch.Tensor, copy: bool = False) -> torch.Tensor:
-        """Write `tensor` to a new region; return its placeholder (the file holds the values)."""
+        """Write `tensor` to a new region; return its placeholder (the file holds the values).
+        A placeholder of this tier is in place already and comes back as it is."""
+        if self.region_of(tensor) is not None:
+            return tensor
         t = tensor.detach().to("cpu").contiguous()
         region = self.allocate(t.numel() * t.element_size())
         self.wait(self.write(region, t))

@@ -150,13 +150,17 @@ def host_step_threads(local_world_size: int) -> tuple[int, str]:
     return now, f"{now} thread(s) ({cores} cores, {local_world_size} local ranks)"
 
 
-def optimizer_tiers(policy: OffloadPolicy, sizes: Sequence[int], device: torch.device, aio=None,
-                    rank: int = 0) -> list[Tier]:
+def optimizer_offload_tier(policy: OffloadPolicy, device: torch.device, aio=None, rank: int = 0) -> Tier | None:
+    """The one tier `offload_optimizer` sends masters and states to, or None without offload."""
+    return None if policy.device is OffloadDevice.NONE else make_tier(policy, device, aio, rank, "optimizer")
+
+
+def optimizer_tiers(policy: OffloadPolicy, sizes: Sequence[int], device: torch.device,
+                    offload: Tier | None) -> list[Tier]:
     """The tier of each bucket shard's master and optimizer states: all on the device, or on
-    the host (`cpu`) or in files (`nvme`) with `offload_optimizer`, the first `ratio` of the
-    elements at stage 3."""
+    `offload` (the host with `cpu`, files with `nvme`; from `optimizer_offload_tier`), the first
+    `ratio` of the elements at stage 3."""
     device_tier = DeviceTier(device)
-    if policy.device is OffloadDevice.NONE:
+    if offload is None:
         return [device_tier] * len(sizes)
-    offload = make_tier(policy, device, aio, rank, "optimizer")
     return [offload if goes else device_tier for goes in offload_split(sizes, policy.ratio)]

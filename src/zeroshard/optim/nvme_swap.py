@@ -248,14 +248,15 @@ class SwapPipeline:
 
 
 def prepare_disk(tier: NvmeTier, sizes: list[int], build, group_options: list[dict[str, Any]], sharers: int,
-                 policy) -> list[str]:
+                 policy, unwritten: int = 0) -> list[str]:
     """Before anything is written: the disk space the optimizer's files need (masters and K
-    states of the `sizes` shards, aligned) checked against the free space, the I/O path's
-    self-test, and the start-up lines saying what each knob became."""
+    states of the `sizes` shards, aligned, plus `unwritten` bytes other files on this disk are
+    still to take) checked against the free space, the I/O path's self-test, and the start-up
+    lines saying what each knob became."""
     from zeroshard.offload.nvme import check_space
 
     k = state_count(build, group_options[0] if group_options else {})
-    need = sum(align_up(n * 4) for n in sizes) * (1 + k)
+    need = sum(align_up(n * 4) for n in sizes) * (1 + k) + unwritten
     space = check_space(tier.folder, need, sharers)
     write_gbs, read_gbs = tier.self_test()
     _, buffers = buffer_plan(policy.buffer_count)
@@ -274,3 +275,28 @@ def prepare_disk(tier: NvmeTier, sizes: list[int], build, group_options: list[di
              + ("swap buffers are page-aligned host memory (no CUDA here to pin for)"
                 if not torch.cuda.is_available() else "swap buffers are page-aligned pageable host memory")]
     return lines + [f"  {line}" for line in tier.aio_lines]
+
+
+class MasterWriter:
+    """Stage 3 in 16 bits with every master on the NVMe tier: each unit's fp32 masters go to
+    the optimizer's file as the unit is built, so the build never holds more than one unit's
+    masters (the whole model's would be 4 bytes per parameter). `prepare` runs the space check
+    and self-test of `prepare_disk` first, on the shard sizes the unit plan implies."""
+
+    def __init__(self, tier: NvmeTier, build, group_options: list[dict[str, Any]], sharers: int, policy) -> None:
+        self.tier, self._build, self._options, self._sharers, self._policy = tier, build, group_options, sharers, policy
+        self.lines: list[str] = []
+
+    def prepare(self, sizes: list[int], other: tuple[str, int] | None = None) -> None:
+        """`other` = (folder, bytes) of files another tier (stage 3's parameter shards) is about
+        to write too: counted when that folder is on this tier's disk, as nothing is written yet."""
+        import os
+
+        unwritten = 0
+        if other is not None and os.stat(other[0]).st_dev == os.stat(self.tier.folder).st_dev:
+            unwritten = other[1]
+        self.lines = prepare_disk(self.tier, sizes, self._build, self._options, self._sharers, self._policy,
+                                  unwritten)
+
+    def __call__(self, master: torch.Tensor) -> torch.Tensor:
+        return self.tier.place(master)

@@ -53,11 +53,14 @@ class ShardedOptimizer:
         self.tiers = tiers or [DeviceTier(b.shard().device) for b in buckets]
         self.masters = []
         for m, b, tier in zip(masters, buckets, self.tiers):
+            if m is not None:  # a separate fp32 master (already on its tier when the build put it there)
+                self.masters.append(tier.place(m))
+                continue
             shard = readable(b.shard())  # a stage-3 shard kept in a file (offload_param nvme) is read once
-            if m is None and tier.same_memory(shard.device):
+            if tier.same_memory(shard.device):
                 self.masters.append(shard)
             else:
-                self.masters.append(tier.place(m if m is not None else shard.detach().float(), copy=m is None))
+                self.masters.append(tier.place(shard.detach().float(), copy=True))
         self._separate = [m.data_ptr() != b.shard().data_ptr() for m, b in zip(self.masters, buckets)]
         self._staging = _GradStaging(self.masters, buckets, memory)
         groups = [

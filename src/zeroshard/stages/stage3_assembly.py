@@ -64,17 +64,34 @@ def _full_values(model: nn.Module, params: list[nn.Parameter], comm: Comm, devic
     return bool(params) and all(from_init)
 
 
+def _shard_sizes_estimate(plan, world: int, alignment: int) -> list[int]:
+    """Elements of this rank's trainable shards, per unit and for the persistent parameters,
+    rounded up to `alignment` (a bucket's padding): for space checks before anything is built."""
+    groups = [[p for p in up.params if p.requires_grad] for up in plan.units]
+    groups.append([p for p in plan.persistent if p.requires_grad])
+    sizes = [-(-sum(p.numel() for p in g) // world) for g in groups if g]
+    return [-(-n // alignment) * alignment for n in sizes]
+
+
 def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], settings: Settings,
-                 comm: Comm, memory: MemoryLedger, device: torch.device) -> Stage3Parts:
+                 comm: Comm, memory: MemoryLedger, device: torch.device, masters_to=None) -> Stage3Parts:
+    """`masters_to`, when given, takes each fp32 master as soon as its unit is built and returns
+    what to keep in its place (`optim.nvme_swap.MasterWriter`: a placeholder, the values in a
+    file); its `prepare(sizes)` runs first, on the estimated shard sizes."""
     dtype = settings.precision.compute.dtype
     rank, world = comm.rank, comm.world_size
     plan = plan_stage3(model, settings.zero.stage3, settings.zero.stage3.min_unit_params)
     offload = settings.zero.offload_param
     param_tier = make_tier(offload, device, settings.aio, rank, "params") if offload.device is not OffloadDevice.NONE \
         else None
+    param_files = None
     if param_tier is not None and param_tier.name == "nvme":  # space checked before any shard is written
         need = sum(p.numel() * dtype.itemsize for up in plan.units for p in up.params) // world
         param_tier.prepare(need + 4096 * 2 * len(plan.units), comm.topology.local_world_size, memory)
+        param_files = (param_tier.folder, need + 4096 * 2 * len(plan.units))
+    if masters_to is not None:  # and the masters' (with the parameters' when on the same disk)
+        masters_to.prepare(_shard_sizes_estimate(plan, world, max(1, ALIGN_BYTES // 4)), param_files)
+    keep = (lambda ms: ms) if masters_to is None else (lambda ms: [m if m is None else masters_to(m) for m in ms])
     trainable: list[FlatBucket] = []
     masters: list[torch.Tensor] = []
     frozen: list[UnitBucket] = []
@@ -91,7 +108,7 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
         if not agreed:
             broadcast_model(model, buckets, comm, loose=False)
         train = [b for b in buckets if b.params[0].requires_grad]
-        masters += take_masters_and_cast(train, dtype)
+        masters += keep(take_masters_and_cast(train, dtype))
         trainable += train
         for b in buckets:
             b.to_dtype(dtype)
@@ -111,7 +128,7 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
                  for lay in _layouts(persistent, parts.names, group_of, settings.zero.reduce_bucket_size, world, dtype)]
         if not agreed:
             broadcast_model(model, whole, comm, loose=False)
-        masters += take_masters_and_cast(whole, dtype)
+        masters += keep(take_masters_and_cast(whole, dtype))
         trainable += whole
     loose_frozen = [p for p in plan.persistent if not p.requires_grad]
     _full_values(model, loose_frozen, comm, device)
