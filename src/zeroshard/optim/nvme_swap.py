@@ -262,6 +262,8 @@ def prepare_disk(tier: NvmeTier, sizes: list[int], build, group_options: list[di
     _, buffers = buffer_plan(policy.buffer_count)
     lines = [f"nvme tier: {tier.describe()}",
              f"nvme optimizer files: {len(sizes)} shard(s), master + {k} state(s) each; {space}"
+             + (f" (counting {unwritten / 2**30:.2f} GiB of parameter shards still to be written there)"
+                if unwritten else "")
              + (f"; removed {len(tier.removed_stale)} stale run folder(s)" if tier.removed_stale else ""),
              f"nvme self-test: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s"
              + ("" if tier.io.direct else " (buffered: reads may come from the page cache)"),
