@@ -63,6 +63,7 @@ def startup_banner(engine: "Engine", parts: ModelParts) -> list[str]:
                      + ("" if topo.device.type == "cuda" else "; host and device are the same memory here: "
                         "no copies, the ledger's tiers say where each byte belongs"))
     lines += [f"  {line}" for line in getattr(engine, "nvme_lines", [])]
+    lines.append(f"  host memory: {engine.heap_trim.line}")
     if z.stage == Stage.PARAMETERS:
         persistent = sum(bk.layout.numel for bk in engine.buckets if not isinstance(bk, UnitBucket))
         lines += [f"  {line}" for line in describe_units(engine.units, engine.unit_rule, persistent, z.stage3)]

@@ -42,7 +42,8 @@ from zeroshard.optim.sharded import ShardedOptimizer
 from zeroshard.optim.template import OptimizerArg, plan_optimizer
 from zeroshard.partition import MemoryLedger
 from zeroshard.partition.buffer_pool import BufferPool
-from zeroshard.policies import ConfigError, Settings, Stage
+from zeroshard.partition.heap_trim import HeapTrim
+from zeroshard.policies import ConfigError, OffloadDevice, Settings, Stage
 from zeroshard.stages.stage3_assembly import build_stage3, make_runtime
 from zeroshard.stages.strategy import step_during_backward
 from zeroshard.stages.train_state import TrainState
@@ -103,6 +104,9 @@ class Engine:
                                           self.memory, sub_group, tiers, zero.offload_optimizer.buffer_count)
         self.lr_scheduler = self._make_scheduler(lr_scheduler, optimizer)
         self.step_early, self.step_mode = step_during_backward(settings, self.optimizer.can_step_early)
+        host_in_use = topology.device.type == "cpu" or any(t.name in ("host", "nvme") for t in tiers) \
+            or zero.offload_param.device is not OffloadDevice.NONE
+        self.heap_trim = HeapTrim(settings.runtime.trim_host_memory, host_in_use)
         self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)
 
         self.train_state = TrainState(self.module, settings, self.comm, self.buckets, self.frozen_buckets,
@@ -271,6 +275,7 @@ class Engine:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
         self.grads.zero_grads()
+        self.heap_trim()  # free heap pages back to the system (partition/heap_trim.py)
         self.global_steps += 1
         self.micro_steps += 1
         self._timers["step"] += time.perf_counter() - started

@@ -194,7 +194,8 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
         aio=_aio(config),
         runtime=(RuntimePolicy(comm_timeout_s=runtime.comm_timeout_s,
                                cast_forward_inputs=runtime.cast_forward_inputs,
-                               step_during_backward=runtime.step_during_backward)
+                               step_during_backward=runtime.step_during_backward,
+                               trim_host_memory=runtime.trim_host_memory)
                  if runtime is not None else RuntimePolicy()),
         activations=activation_policy(config),
         raw=raw,

@@ -186,6 +186,7 @@ class RuntimePolicy:
     comm_timeout_s: float = 600.0  # every collective fails loudly after this long
     cast_forward_inputs: bool = True  # floating inputs are cast to the compute dtype
     step_during_backward: bool | None = None  # None: on where nothing forbids it (stages 0-2)
+    trim_host_memory: bool | None = None  # None: on where the host holds training state
 
 
 @dataclass(frozen=True)
