@@ -273,7 +273,7 @@ class ZeroShardConfig(Section):
     # step each optimizer sub-group as soon as its gradients are reduced, during backward
     # (stages 0-2; None: whenever no clipping or fp16 overflow check needs every gradient first)
     step_during_backward: Bool | None = None
-    # give glibc's free heap pages back after each step (None: where the host holds training state)
+    # give glibc's free heap pages back after step 1 and when RSS grows (None: where the host holds training state)
     trim_host_memory: Bool | None = None
     activation_offload: ActivationOffloadConfig | None = None
 

@@ -22,6 +22,7 @@ for the time of its step).
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -292,8 +293,6 @@ class MasterWriter:
     def prepare(self, sizes: list[int], other: tuple[str, int] | None = None) -> None:
         """`other` = (folder, bytes) of files another tier (stage 3's parameter shards) is about
         to write too: counted when that folder is on this tier's disk, as nothing is written yet."""
-        import os
-
         unwritten = 0
         if other is not None and os.stat(other[0]).st_dev == os.stat(self.tier.folder).st_dev:
             unwritten = other[1]

@@ -16,7 +16,9 @@ the pages it really touches. Measured: 3,105-3,195 MiB with a trim after every s
 the first step (its one-off allocations: the optimizer's states, the recorded gather order),
 and later steps reuse their own. A trim after every step would make each step fault its
 transient pages in again. zeroshard therefore trims after the first step, and after that only
-when a step's resident memory grew by more than 5 % over the previous step's (bench/RESULTS.md).
+when a step's resident memory grew by more than 5 % over the previous step's. In the 150M round
+of the peer harness with this rule the peak was 3,430-3,431 MiB. Single runs of one variant
+vary by 100-300 MiB (bench/RESULTS.md).
 
 On by default where the host is the memory being trained in (CPU training) or offloaded to;
 `zeroshard.trim_host_memory` says otherwise. Elsewhere (no glibc: musl, macOS) it is off, and
