@@ -130,7 +130,7 @@ class BucketedGradients:
     def _launch(self, b: int) -> None:
         self._state.launched[b] = True
         full = self._full_grad(b)
-        if self.comm.world_size > 1:
+        if self.comm.world_size > 1 and not self._averaged_by_collective():
             full.mul_(1.0 / self.comm.world_size)
         wire = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
         if wire is not full:
@@ -167,6 +167,11 @@ class BucketedGradients:
 
     def _full_grad(self, b: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def _averaged_by_collective(self) -> bool:
+        """Whether the collective returns the mean itself (else the gradient is divided by
+        the world size before it is summed)."""
+        return False
 
     def _collective(self, b: int, wire: torch.Tensor):
         """Issue the reduction; return (handle, copy-back function for a cast wire buffer)."""
@@ -265,13 +270,23 @@ class _Scatter:
     buckets: list[FlatBucket]
     comm: Comm
 
+    def _averaged_by_collective(self) -> bool:
+        return not self.use_all_reduce and self.reducer is None  # Comm.reduce_scatter(average=True)
+
+    def _landing(self, b: int, wire: torch.Tensor) -> torch.Tensor:
+        """Where the reduced shard of bucket b is written: its slice of the buffer sent."""
+        lo, hi = self.buckets[b].shard_range
+        return wire[lo:hi]
+
     def _collective(self, b, wire):
         lo, hi = self.buckets[b].shard_range
+        what = f"gradients of {self.buckets[b].label}"
         if self.use_all_reduce:
-            handle = self.comm.all_reduce(wire, what=f"gradients of {self.buckets[b].label}")
+            handle = self.comm.all_reduce(wire, what=what)
+        elif self.reducer is not None:
+            handle = self.reducer.reduce_scatter(wire[lo:hi], wire, what=what)
         else:
-            handle = (self.reducer or self.comm).reduce_scatter(wire[lo:hi], wire,
-                                                                what=f"gradients of {self.buckets[b].label}")
+            handle = self.comm.reduce_scatter(self._landing(b, wire), wire, what=what, average=True)
         return handle, lambda w, full: full[lo:hi].copy_(w[lo:hi])
 
 
@@ -305,6 +320,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
             self.memory.hold("grads", f"{bucket.key}.shard", shard.numel() * shard.element_size())
         self._full: dict[int, torch.Tensor] = {}
         self._written: dict[int, set[int]] = {}  # slots of each in-flight buffer already holding a gradient
+        self._landed: set[int] = set()  # in-flight buckets whose reduction writes the accumulator itself
 
     def _reduces(self, boundary: bool) -> bool:
         return True
@@ -359,9 +375,20 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         full[bucket.layout.numel :].zero_()  # padding
         return full
 
+    def _landing(self, b: int, wire: torch.Tensor) -> torch.Tensor:
+        """The first micro-step of a window writes the reduced shard straight into the
+        accumulator (no copy after), when the buffer sent is the gradient itself (no cast)
+        and the reduction is a reduce-scatter (an all-reduce lands in the whole buffer)."""
+        if self._state.first and wire.dtype == self.shards[b].dtype and not self.use_all_reduce:
+            self._landed.add(b)
+            return self.shards[b]
+        return super()._landing(b, wire)
+
     def _after_reduce(self, b: int, full: torch.Tensor) -> None:
         lo, hi = self.buckets[b].shard_range
-        if self._state.first:
+        if b in self._landed:
+            self._landed.discard(b)
+        elif self._state.first:
             self.shards[b].copy_(full[lo:hi])
         else:
             self.shards[b].add_(full[lo:hi])
