@@ -31,8 +31,10 @@ from zeroshard.stages.hooks import Hooks
 # stages 2 and 3: buckets whose reduction may still run when the next one launches; with 1, at
 # most two full gradient buffers exist (one reducing, one filling), as in FSDP, whose unit's
 # reduce-scatter runs while the next unit computes. (Stage 3 used 0 while gloo's reduce-scatter
-# blocked the caller; as an all-to-all it does not, and 1 measured 0.89x stage 3's step time,
-# 3.45/3.56 s against 4.03/3.74 s in two interleaved rounds of the peer harness at 50M.)
+# blocked the caller; as an all-to-all (now point-to-point sends) it does not, and 1 measured
+# 0.89x stage 3's step time, 3.45/3.56 s against 4.03/3.74 s in two interleaved rounds of the
+# peer harness at 50M. Stage 2 with 2 in flight: 3.71/3.88 s against 3.75/3.74 s with 1, after
+# the direct sends; no gain, so 1.)
 MAX_IN_FLIGHT = 1
 
 
