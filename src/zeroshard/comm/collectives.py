@@ -166,7 +166,7 @@ class Comm:
         n, me = self.world_size, self.rank
         return [(me + k) % n for k in range(1, n)]
 
-    def _tag(self, op: str, tensor: torch.Tensor) -> int:
+    def _tag(self, op: str, numel: int, dtype: torch.dtype) -> int:
         """The message tag of this group's next direct collective: its position in the group's
         sequence, its kind and its size, hashed. Every rank issues the same sequence, so the
         tags agree and concurrent collectives never take each other's messages. Ranks that
@@ -176,7 +176,7 @@ class Comm:
         key = (self.on_group.name, tuple(self.on_group.ranks))
         seq = root._sequence.get(key, 0)
         root._sequence[key] = seq + 1
-        return zlib.crc32(f"{seq}:{op}:{tensor.numel()}:{tensor.dtype}".encode()) & 0x7FFFFFFF
+        return zlib.crc32(f"{seq}:{op}:{numel}:{dtype}".encode()) & 0x7FFFFFFF
 
     def _exchange(self, tag: int, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> list:
         """Post one receive and one send per peer (peer order of `_peers`) with `tag`; the
@@ -218,7 +218,7 @@ class Comm:
             if pool is not None:
                 pool.give(spare)
 
-        sends, tag = [chunks[p] for p in self._peers()], self._tag("reduce_scatter", input)
+        sends, tag = [chunks[p] for p in self._peers()], self._tag("reduce_scatter", input.numel(), input.dtype)
         return self._issue("reduce_scatter", input, input.numel(), what,
                            lambda: self._exchange(tag, sends, received) if size else [], finish=finish)
 
@@ -228,22 +228,43 @@ class Comm:
         if self.world_size == 1 and output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         if self._direct(output):
-            return self._all_gather_direct(output, input, what)
+            size, out = input.numel(), output.view(-1)
+            return self._all_gather_direct([out[p * size : (p + 1) * size] for p in range(self.world_size)],
+                                           input, what)
         return self._issue("all_gather", output, output.numel(), what,
                            lambda: _AG(output, input, group=self.group, async_op=True))
 
-    def _all_gather_direct(self, output: torch.Tensor, input: torch.Tensor, what: str) -> Handle:
+    def all_gather_into(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str = "") -> Handle:
+        """Rank r's `input` lands in `outputs[r]` on every rank. The outputs are views anywhere,
+        e.g. the same slice of every rank's shard of a rank-major bucket, so a bucket larger
+        than `allgather_bucket_size` is gathered in pieces straight into place, with no staging
+        buffer and no copy out. `input` may be `outputs[rank]` itself."""
+        n, size = self.world_size, input.numel()
+        if len(outputs) != n or any(o.numel() != size or o.dtype != input.dtype for o in outputs):
+            raise CommError(
+                f"all_gather_into: expected {n} outputs of {size} {input.dtype} elements, got "
+                f"{[(o.numel(), o.dtype) for o in outputs]}; this is a zeroshard bug, please report it."
+            )
+        if self._direct(input):
+            return self._all_gather_direct(outputs, input, what)
+        mine = outputs[self.rank]
+        if mine.data_ptr() != input.data_ptr():
+            mine.view(-1).copy_(input.view(-1))
+        return self._issue("all_gather", input, n * size, what,
+                           lambda: dist.all_gather(list(outputs), input, group=self.group, async_op=True))
+
+    def _all_gather_direct(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str) -> Handle:
         """gloo's `all_gather_into_tensor` gathers into a new flat tensor (its input copied in)
         and then copies every chunk out, on gloo's thread: 51 ms of wall and 30 ms of CPU for
         a 25 MiB bucket on 2 ranks here. Here this rank sends its chunk to every peer and
-        receives each peer's chunk straight into its place in `output`: the bytes of a ring
+        receives each peer's chunk straight into its place, `outputs[peer]`: the bytes of a ring
         ((N-1)/N of the tensor per rank), no temporary, no copy (14 ms and 11 ms)."""
-        size, out = input.numel(), output.view(-1)
-        mine = out[self.rank * size : (self.rank + 1) * size]
+        size, mine = input.numel(), outputs[self.rank].view(-1)
         if mine.data_ptr() != input.data_ptr():
             mine.copy_(input.view(-1))
-        recvs, tag = [out[p * size : (p + 1) * size] for p in self._peers()], self._tag("all_gather", output)
-        return self._issue("all_gather", output, output.numel(), what,
+        recvs = [outputs[p].view(-1) for p in self._peers()]
+        numel, tag = size * self.world_size, self._tag("all_gather", size * self.world_size, input.dtype)
+        return self._issue("all_gather", input, numel, what,
                            lambda: self._exchange(tag, [mine] * (self.world_size - 1), recvs) if size else [])
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> Handle:

@@ -160,7 +160,7 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
                               f"splits {shard_count_for_stage(s.stage, n)} ways")
         padded = layout.padded_total
         buckets = layout.buckets
-        gathers = sum(gather_chunks(sh, p, s.allgather_bucket_size, n)[0]
+        gathers = sum(gather_chunks(sh, p, s.allgather_bucket_size, n)
                       for sh, p in zip(layout.shards, layout.padded))
     else:
         padded = params if s.stage == Stage.DATA_PARALLEL else shard(params, n) * n

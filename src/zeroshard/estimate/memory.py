@@ -22,9 +22,9 @@ Transient buffers (stages 0-2, as zeroshard's engine allocates them, validated i
 place in their bucket buffers (no extra copy); stage 2 holds full buckets only while
 they fill and reduce (`STAGE2_BUCKETS_IN_FLIGHT`, or all of them with overlap_comm
 off); at the optimizer step, 16-bit training upcasts each sub-group's gradient shard to
-fp32 (4 bytes x up to `sub_group_size` elements) and stages 1/2 publish buckets larger
-than `allgather_bucket_size` through a staging buffer. `buffers` is the larger of the
-backward and the step transients.
+fp32 (4 bytes x up to `sub_group_size` elements); stages 1/2 publish buckets larger than
+`allgather_bucket_size` in chunks gathered straight into place (no staging buffer).
+`buffers` is the larger of the backward and the step transients.
 
 Host offload (`offload_optimizer: cpu`, `offload_param: cpu`), as zeroshard's engine holds
 it (validated on 2 gloo ranks in `tests/test_estimate_offload.py`, every tier and category
@@ -64,7 +64,7 @@ from zeroshard.policies import ConfigError, OffloadDevice, Precision, Stage
 from zeroshard.estimate.activations import ActivationEstimate
 from zeroshard.estimate.model_size import ModelShape
 from zeroshard.estimate.padding import (
-    BucketPlan, gather_chunks, offload_split, shard_count_for_stage, sub_group_sums,
+    BucketPlan, offload_split, shard_count_for_stage, sub_group_sums,
 )
 from zeroshard.estimate.units import BYTES_PER_ELEMENT, FP32_BYTES, GIB
 
@@ -440,7 +440,7 @@ def engine_sub_group(s: Strategy) -> int:
 
 def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout: BucketPlan | None) -> int:
     """Transient device bytes beyond the model states at stages 0-2 (see the module doc)."""
-    st, pb, gb = s.stage, s.param_bytes, s.grad_bytes
+    st, gb = s.stage, s.grad_bytes
     largest = layout.largest_padded if layout is not None else min(s.reduce_bucket_size, phi)
     backward = 0  # stages 0/1 reduce in place in the persistent gradient buckets
     if st == Stage.GRADIENTS:
@@ -453,11 +453,5 @@ def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout
             held = own if st >= Stage.OPTIMIZER_STATES else full  # stage 0 steps the whole gradient
             upcast = max(sub_group_sums(shards, s.sub_group_size)) if shards else min(s.sub_group_size, held)
             step += FP32_BYTES * upcast
-    if st >= Stage.OPTIMIZER_STATES:  # publishing: buckets over allgather_bucket_size go through staging
-        if layout is not None:
-            staging = max((gather_chunks(sh, p, s.allgather_bucket_size, n)[1]
-                           for sh, p in zip(layout.shards, layout.padded)), default=0)
-        else:
-            staging = gather_chunks(shard(largest, n), shard(largest, n) * n, s.allgather_bucket_size, n)[1]
-        step += pb * staging
+    # publishing (stages 1/2) gathers every bucket straight into place, chunked or not: no buffer
     return max(backward, step)

@@ -86,14 +86,13 @@ def sub_group_sums(sizes: Sequence[int], cap: int) -> list[int]:
     return out
 
 
-def gather_chunks(shard_numel: int, padded_numel: int, cap: int, n: int) -> tuple[int, int]:
-    """(all-gather calls, staging elements) to publish one bucket: whole when its padded
-    size fits `allgather_bucket_size`, else in chunks of `cap // n` elements per shard
-    through a staging buffer of n x chunk elements."""
+def gather_chunks(shard_numel: int, padded_numel: int, cap: int, n: int) -> int:
+    """All-gather calls to publish one bucket: one when its padded size fits
+    `allgather_bucket_size`, else one per chunk of `cap // n` elements of each shard (each
+    gathered straight into place: no staging buffer)."""
     if padded_numel <= cap:
-        return 1, 0
-    width = max(1, cap // n)
-    return -(-shard_numel // width), n * min(width, shard_numel)
+        return 1
+    return -(-shard_numel // max(1, cap // n))
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 The optimizer writes this rank's shard into the bucket's parameter buffer; the
 all-gather then fills every other shard in place. `allgather_bucket_size` caps the
-elements of one all-gather: a larger bucket is gathered in chunks through a staging
-buffer (counted as `comm_buffers`), one chunk in flight at a time.
+elements of one all-gather: a larger bucket is gathered in pieces, the same slice of
+every rank's shard at a time, each straight into its place in the bucket and all in
+flight at once (no staging buffer, nothing waited on before `wait()`).
 """
 
 from __future__ import annotations
@@ -20,22 +21,16 @@ class ParamPublisher:
         self._pending: list[Handle] = []
 
     def publish(self, b: int) -> None:
-        """Start gathering bucket b (whole buckets asynchronously; chunked ones in order)."""
+        """Start gathering bucket b, in pieces of at most `allgather_bucket_size` elements."""
         bucket = self.buckets[b]
         if bucket.data.numel() <= self.cap:
             self._pending.append(self.comm.all_gather(bucket.data, bucket.shard(), what=f"parameter bucket {b}"))
             return
         n, size = self.comm.world_size, bucket.layout.shard_numel
-        shard = bucket.shard()
-        key = f"gather{b}"
         for lo, hi in chunk_ranges(size, max(1, self.cap // n)):
-            width = hi - lo
-            staging = bucket.data.new_empty(n * width)
-            self.memory.hold("comm_buffers", key, staging.numel() * staging.element_size())
-            self.comm.all_gather(staging, shard[lo:hi], what=f"parameter bucket {b} chunk {lo}").wait()
-            for r in range(n):
-                bucket.data[r * size + lo : r * size + hi].copy_(staging[r * width : (r + 1) * width])
-            self.memory.release("comm_buffers", key)
+            views = [bucket.data[r * size + lo : r * size + hi] for r in range(n)]
+            self._pending.append(self.comm.all_gather_into(views, views[self.comm.rank],
+                                                           what=f"parameter bucket {b} chunk {lo}"))
 
     def wait(self) -> None:
         while self._pending:
