@@ -1,7 +1,8 @@
 """Print one table (markdown) from the peer harness' results: bench/peer-results/<tag>/.
 
     python bench/peer_table.py bench/peer-results/50M_fp32
-    python bench/peer_table.py bench/peer-results/50M_fp32_r*     # rounds: per-round ratios, their median
+    python bench/peer_table.py bench/peer-results/50M_fp32_r*     # rounds: per-round ratios, their median,
+                                                                  # and the ratio of medians over every timed step
 
 Step time: per step the max over ranks, median over the timed steps, with min-max spread;
 peak RSS per rank over the timed steps (high-water mark reset at the first timed step);
@@ -55,18 +56,26 @@ def main(folder: str) -> dict[str, float]:
 def rounds(folders: list[str]) -> None:
     """Several rounds of the same systems: each round's table, then per ratio every round's value
     and their median (each ratio is taken within one round, so drift between rounds cancels)."""
-    per_round = []
+    per_round, pooled = [], {}
     for folder in folders:
         print(f"### {os.path.basename(folder.rstrip('/'))}\n")
         per_round.append(main(folder))
+        for name, d in load(folder).items():
+            pooled.setdefault(name, []).extend(d["step_times_max_over_ranks_s"][d["spec"].get("warmup_steps", 3):])
         print()
     print(f"### {len(folders)} rounds\n")
-    print("| ratio of median step times | per round | median of rounds |")
-    print("|---|---|---|")
+    print("| ratio of median step times | per round | median of rounds | pooled: median of every timed step |")
+    print("|---|---|---|---|")
     for a, b in RATIOS:
         values = [m[a] / m[b] for m in per_round if a in m and b in m]
         if values:
-            print(f"| {a} / {b} | {', '.join(f'{v:.3f}' for v in values)} | {statistics.median(values):.3f} |")
+            whole = statistics.median(pooled[a]) / statistics.median(pooled[b])
+            print(f"| {a} / {b} | {', '.join(f'{v:.3f}' for v in values)} | {statistics.median(values):.3f} | "
+                  f"{whole:.3f} |")
+    print("\n| system | timed steps | median s | quartiles s |\n|---|---|---|---|")
+    for name, steps in sorted(pooled.items()):
+        q = statistics.quantiles(steps, n=4)
+        print(f"| {name} | {len(steps)} | {statistics.median(steps):.3f} | {q[0]:.3f}-{q[2]:.3f} |")
 
 
 if __name__ == "__main__":
