@@ -134,7 +134,7 @@ class Engine:
         self.frozen_buckets: list = []
         self.units: list = []
         self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory, self.pool)
-        publisher = ParamPublisher(self.buckets, self.comm, self.memory, zero.allgather_bucket_size)
+        publisher = ParamPublisher(self.buckets, self.comm, zero.allgather_bucket_size)
         self.params = ReplicatedParams(publisher if self.grads.publishes_params else None)
         return masters
 
@@ -154,7 +154,7 @@ class Engine:
         self.unit_rule = s3.rule
         self.grads = build_gradients(self.settings, self.buckets, self.comm, self.memory, self.pool)
         runtime = make_runtime(s3, self.comm, self.memory, self.settings)
-        publisher = ParamPublisher(self.buckets, self.comm, self.memory, self.settings.zero.allgather_bucket_size)
+        publisher = ParamPublisher(self.buckets, self.comm, self.settings.zero.allgather_bucket_size)
         self.params = PartitionedParams(runtime, publisher, s3.persistent)
         return masters
 

@@ -10,13 +10,12 @@ flight at once (no staging buffer, nothing waited on before `wait()`).
 from __future__ import annotations
 
 from zeroshard.comm import Comm, Handle
-from zeroshard.partition import FlatBucket, MemoryLedger, chunk_ranges
+from zeroshard.partition import FlatBucket, chunk_ranges
 
 
 class ParamPublisher:
-    def __init__(self, buckets: list[FlatBucket], comm: Comm, memory: MemoryLedger,
-                 allgather_bucket_size: int) -> None:
-        self.buckets, self.comm, self.memory = buckets, comm, memory
+    def __init__(self, buckets: list[FlatBucket], comm: Comm, allgather_bucket_size: int) -> None:
+        self.buckets, self.comm = buckets, comm
         self.cap = allgather_bucket_size
         self._pending: list[Handle] = []
 
