@@ -113,6 +113,10 @@ class Engine:
                                       self.optimizer, self.loss_scaler, self.lr_scheduler,
                                       self.refresh_params_from_masters)
         self._grad_norm: float | None = None
+        self._boundary_said: bool | None = None  # set_gradient_accumulation_boundary (None: the counter decides)
+        self._window_open = False  # a backward since the last optimizer step or zero_grad
+        self._window_micro = 0  # backwards in the open window (for the caller-driven check)
+        self._warned_window = False
         self._warned_no_sync = False
         self._timers: dict[str, float] = defaultdict(float)
         self.comm.where = "step 0"
@@ -215,21 +219,26 @@ class Engine:
         self._timers["forward"] += time.perf_counter() - started
         return out
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate `loss` (scaled for fp16 and divided by the accumulation steps);
-        gradient reductions run inside, overlapping backward where the stage allows."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss` (scaled for fp16 and, unless `scale_wrt_gas=False`, divided by the
+        accumulation steps); gradient reductions run inside, overlapping backward where the stage allows."""
         self.comm.where = f"step {self.global_steps}, backward (micro-step {self.micro_steps})"
         gas = self.settings.batch.gradient_accumulation_steps
         started = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
-        self.grads.begin_backward(boundary, self.micro_steps % gas == 0)
+        # the first backward of a window overwrites the accumulated gradient: counted by micro-steps,
+        # or, where the caller announces boundaries, the first backward since a step or zero_grad
+        first = self.micro_steps % gas == 0 if self._boundary_said is None else not self._window_open
+        self.grads.begin_backward(boundary, first)
+        self._window_open = True
+        self._window_micro = 1 if first else self._window_micro + 1
         early = self.step_early and boundary
         self.grads.on_final = self._grad_final if early else None
         self.grads.on_overlap = self._step_queued if early else None
         if early:
             self.optimizer.forget_early()
         self.params.begin_backward()
-        scale = self.loss_scaler.scale / gas
+        scale = self.loss_scaler.scale / gas if scale_wrt_gas else self.loss_scaler.scale
         try:
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             self.grads.end_backward()
@@ -251,6 +260,7 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
+        self._check_caller_window()
         self.comm.where = f"step {self.global_steps}, optimizer step"
         started = time.perf_counter()
         loss_scale = self.loss_scaler.scale
@@ -275,6 +285,7 @@ class Engine:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
         self.grads.zero_grads()
+        self._window_open = False
         self.heap_trim()  # free heap pages back to the system (partition/heap_trim.py)
         self.global_steps += 1
         self.micro_steps += 1
@@ -292,7 +303,36 @@ class Engine:
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
+        """The caller's word (`set_gradient_accumulation_boundary`) where it gave one, else the
+        micro-step counter against gradient_accumulation_steps."""
+        if self._boundary_said is not None:
+            return self._boundary_said
         return (self.micro_steps + 1) % self.settings.batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Let the caller decide (as DeepSpeed's engine does for Accelerate and Trainer, which call
+        `step()` only at the boundary): the next backward reduces for, and the next `step()` takes,
+        an optimizer step exactly when `is_boundary` is True. None gives the decision back to the
+        micro-step counter."""
+        self._boundary_said = None if is_boundary is None else bool(is_boundary)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last optimizer step: the next backward starts
+        a new accumulation window."""
+        self.grads.zero_grads()
+        self._window_open = False
+
+    def _check_caller_window(self) -> None:
+        """A caller-announced boundary after a different number of backwards than the config's
+        gradient_accumulation_steps: the caller decides, and says so once."""
+        gas = self.settings.batch.gradient_accumulation_steps
+        if self._boundary_said is None or self._window_micro in (0, gas) or self._warned_window:
+            return
+        self._warned_window = True
+        log.warning("step %d: the caller announced the accumulation boundary after %d backward(s), the config "
+                    "says gradient_accumulation_steps=%d; the optimizer steps at the caller's boundary (the "
+                    "loss is still divided by %d unless backward(scale_wrt_gas=False))", self.global_steps,
+                    self._window_micro, gas, gas)
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step, before clipping (None before any step)."""

@@ -41,6 +41,9 @@ def register(subparsers) -> None:
     p.add_argument("--nproc", type=int, default=None, help="ranks on this node (default 2)")
     add_rendezvous_arguments(p)
     add_deepspeed_launcher_arguments(p)
+    from zeroshard.cli import deepspeed_shadow
+
+    deepspeed_shadow.add_arguments(p)
     p.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -197,14 +200,20 @@ def run_torchrun(cmd: list[str], extra_env: dict[str, str] | None = None) -> int
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from zeroshard.cli import deepspeed_shadow
+
     problem, extra_env = apply_deepspeed_flags(args, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if args.nproc is None:
         args.nproc = 2
     problem = problem or check_nproc(args.nproc) or check_rendezvous(args)
     if not problem and not args.module and not os.path.isfile(args.script):
         problem = f"{args.script}: no such script"
+    served_problem, served_env, served_line = deepspeed_shadow.shadow_env(args)
+    problem = problem or served_problem
     if problem:
         print(f"zeroshard launch: {problem}", file=sys.stderr)
         return 2
+    print(served_line, file=sys.stderr)
+    extra_env = {**extra_env, **served_env}
     target = ["-m", args.script] if args.module else [args.script]
     return run_torchrun(torchrun_command(args, [*target, *args.script_args]), extra_env)

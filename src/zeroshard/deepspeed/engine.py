@@ -1,8 +1,15 @@
 """`DeepSpeedEngine`: zeroshard's Engine with the signatures DeepSpeed scripts call.
 
 A proxy, not a second engine: training, sharding, checkpoints and ledgers are the wrapped
-`zeroshard.Engine`'s; anything not defined here is looked up on it. What is defined
-here only translates DeepSpeed's arguments and return values:
+`zeroshard.Engine`'s; anything not defined here is looked up on it. Like DeepSpeed's it is
+an `nn.Module` whose `module` is the user's model. What is defined here only translates
+DeepSpeed's arguments and return values:
+
+- `backward(loss, scale_wrt_gas=False)` leaves the loss undivided by the accumulation steps;
+  `set_gradient_accumulation_boundary(b)` hands the boundary to the caller (Accelerate,
+  Trainer), who then calls `step()` only at it; `zero_grad()` drops accumulated gradients.
+- `config` is the DeepSpeed config dict; `optimizer.overflow` says whether the last boundary
+  step was skipped; `_zero3_consolidated_16bit_state_dict()` gathers whole weights (rank 0).
 
 - `save_checkpoint(save_dir, tag, client_state, save_latest)` returns True, as DeepSpeed's;
   `client_state` is stored as JSON (zeroshard never pickles), so it must be JSON-like.
@@ -20,6 +27,10 @@ import os
 import shutil
 from typing import Any
 
+import weakref
+
+from torch import nn
+
 from zeroshard.checkpoint.files import write_small
 from zeroshard.checkpoint.format import LATEST, META, OLD_PREFIX
 from zeroshard.checkpoint.reader import resolve
@@ -29,48 +40,71 @@ from zeroshard.policies import ConfigError, Precision, Stage
 
 log = logging.getLogger("zeroshard")
 
-__all__ = ["DeepSpeedEngine"]
+__all__ = ["DeepSpeedEngine", "live_engines"]
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def live_engines() -> list["DeepSpeedEngine"]:
+    """The engines built by `deepspeed.initialize` in this process and not yet collected."""
+    return list(_LIVE)
 
 _ONE_FILE = 2**62  # DeepSpeed writes one file: no shard size limit
 _TMP_16BIT = ".zeroshard-16bit-tmp"
 
 
-class DeepSpeedEngine:
-    """What `deepspeed.initialize` returns first. `engine.zeroshard` is the wrapped Engine."""
+class DeepSpeedEngine(nn.Module):
+    """What `deepspeed.initialize` returns first: an `nn.Module` whose `module` is the user's
+    model (as DeepSpeed's, so `accelerate.unwrap_model` and `engine.parameters()` work).
+    `engine.zeroshard` is the wrapped Engine; names not defined here are looked up on it."""
 
-    def __init__(self, engine, training_dataloader=None) -> None:
+    def __init__(self, engine, training_dataloader=None, config: dict | None = None) -> None:
+        super().__init__()
+        self.module = engine.module  # registered: parameters(), state_dict() and unwrap see the model
         object.__setattr__(self, "zeroshard", engine)
         object.__setattr__(self, "training_dataloader", training_dataloader)
         object.__setattr__(self, "_step_applied", False)
+        object.__setattr__(self, "_config", dict(config or {}))
+        engine.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped
+        _LIVE.add(self)
 
-    def __getattr__(self, name: str) -> Any:  # only for names not found on the proxy
-        return getattr(object.__getattribute__(self, "zeroshard"), name)
+    def __getattr__(self, name: str) -> Any:  # only for names not found the normal way
+        if name in ("_parameters", "_buffers", "_modules") or name.startswith("__"):
+            return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)  # a submodule, parameter or buffer
+        except AttributeError:
+            pass
+        engine = self.__dict__.get("zeroshard")
+        if engine is None or not hasattr(engine, name):
+            raise AttributeError(f"DeepSpeedEngine.{name} is not served by zeroshard.deepspeed (see "
+                                 "docs/huggingface.md for what is; `zeroshard launch --real-deepspeed` runs the "
+                                 "installed DeepSpeed)")
+        return getattr(engine, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__dict__ or hasattr(type(self), name):
-            object.__setattr__(self, name, value)
+        engine = self.__dict__.get("zeroshard")
+        if (engine is not None and name not in self.__dict__ and not hasattr(type(self), name)
+                and not isinstance(value, (nn.Module, nn.Parameter)) and hasattr(engine, name)):
+            setattr(engine, name, value)  # e.g. engine.global_steps = ...
         else:
-            setattr(self.zeroshard, name, value)
+            super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         return f"DeepSpeedEngine(zeroshard stage {self.zero_optimization_stage()}, {self.world_size} rank(s))"
 
     # -- the training loop ------------------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
-        return self.zeroshard(*args, **kwargs)
-
     def forward(self, *args, **kwargs):
-        return self.zeroshard.forward(*args, **kwargs)
+        return self.zeroshard(*args, **kwargs)
 
     def backward(self, loss, allreduce_gradients: bool = True, release_loss: bool = False,
                  retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """`scale_wrt_gas=False` (Trainer's and Accelerate's way: they divide the loss themselves)
+        leaves the loss undivided by the accumulation steps."""
         if not allreduce_gradients:
             raise ConfigError("backward(allreduce_gradients=False) is not supported: zeroshard reduces "
                               "gradients at the accumulation boundary (gradient_accumulation_steps)")
-        if not scale_wrt_gas:
-            raise ConfigError("backward(scale_wrt_gas=False) is not supported: zeroshard always divides the "
-                              "loss by gradient_accumulation_steps, as DeepSpeed does by default")
-        return self.zeroshard.backward(loss, retain_graph=retain_graph)
+        return self.zeroshard.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         if lr_kwargs:
@@ -80,7 +114,20 @@ class DeepSpeedEngine:
         boundary = engine.is_gradient_accumulation_boundary()
         skipped = engine.skipped_steps
         engine.step()
-        object.__setattr__(self, "_step_applied", boundary and engine.skipped_steps == skipped)
+        applied = boundary and engine.skipped_steps == skipped
+        object.__setattr__(self, "_step_applied", applied)
+        if boundary:
+            engine.optimizer.overflow = not applied
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """The caller (Accelerate, Trainer) says whether the next backward ends an accumulation
+        window; the optimizer steps exactly at the windows it announces (see Engine)."""
+        self.zeroshard.set_gradient_accumulation_boundary(is_boundary)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated since the last optimizer step (the engine zeroes them
+        itself after each step, as DeepSpeed's does)."""
+        self.zeroshard.zero_grad()
 
     def was_step_applied(self) -> bool:
         """True when the last `step()` stepped the optimizer (an accumulation boundary
@@ -89,6 +136,7 @@ class DeepSpeedEngine:
 
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.zeroshard.train(mode)
+        object.__setattr__(self, "training", mode)
         return self
 
     def eval(self) -> "DeepSpeedEngine":
@@ -99,6 +147,11 @@ class DeepSpeedEngine:
 
     def eval_batch(self, *args, **kwargs):
         raise ConfigError(unsupported("the pipeline engine (engine.eval_batch)"))
+
+    def compile(self, *args, **kwargs):
+        raise ConfigError("engine.compile() is not served by zeroshard.deepspeed: its hooks gather and reduce "
+                          "outside torch.compile's graph; compile regions of the model instead (torch.compile on "
+                          "its blocks) or leave compilation off")
 
     # -- accessors ----------------------------------------------------------------------------------
     @property
@@ -138,6 +191,34 @@ class DeepSpeedEngine:
 
     def destroy(self) -> None:
         self.zeroshard.close()
+
+    @property
+    def config(self) -> dict:
+        """The DeepSpeed config dict this engine was built from (Trainer reads it)."""
+        return self._config
+
+    def get_lr(self) -> list[float]:
+        return self.zeroshard.get_lr()
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self.zeroshard.settings.zero.stage3.gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The model's state dict with whole tensors in the compute dtype, on rank 0 ({} on the
+        others), as DeepSpeed's. A collective: every rank calls it."""
+        engine = self.zeroshard
+        full = engine.full_state_dict()
+        if engine.rank != 0:
+            return {}
+        frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
+        out = {}
+        for name, t in full.items():
+            if exclude_frozen_parameters and name in frozen:
+                continue
+            out[name] = t.to(engine.compute_dtype) if t.is_floating_point() else t
+        return out
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True,

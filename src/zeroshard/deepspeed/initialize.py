@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from zeroshard.config import load_config
 from zeroshard.deepspeed.config import resolve_config, unsupported
 from zeroshard.deepspeed.dataloader import build_dataloader
 from zeroshard.deepspeed.engine import DeepSpeedEngine
+from zeroshard.deepspeed.utils.z3_leaf_module import flagged_classes
 from zeroshard.optim.factory import build_optimizer
 from zeroshard.policies import ConfigError
 
@@ -50,7 +53,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if type(model).__name__ == "PipelineModule":
         raise ConfigError(unsupported("pipeline parallelism (a PipelineModule model)"))
     raw = resolve_config(args, config, config_params)
+    as_given = copy.deepcopy(raw)  # engine.config: what the caller passed (Trainer reads it back)
     drop_last = bool(raw.pop("dataloader_drop_last", False))  # the shim builds the loader, so it acts on it
+    _translate_client_keys(raw, model)
 
     opt_arg = optimizer
     params = _as_list(model_parameters)
@@ -65,11 +70,37 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         _freeze_unoptimized(model, opt_arg)
 
     engine = zeroshard.initialize(model, raw, opt_arg, lr_scheduler)
+    if isinstance(opt_arg, torch.optim.Optimizer):
+        # DeepSpeed steps the client's optimizer object itself, so a scheduler built over it
+        # (Accelerate's AcceleratedScheduler, a script's LambdaLR) sets the lr that is used;
+        # zeroshard steps a rebuild over its shards: the client's groups become the rebuild's
+        if len(opt_arg.param_groups) == len(engine.optimizer.param_groups):
+            opt_arg.param_groups = engine.optimizer.param_groups
+        else:
+            log.warning("initialize: the optimizer's %d param group(s) became %d over zeroshard's shards; a "
+                        "scheduler built over the optimizer you passed will not reach them (pass it to "
+                        "initialize(lr_scheduler=...) instead)", len(opt_arg.param_groups),
+                        len(engine.optimizer.param_groups))
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, engine.train_micro_batch_size_per_gpu(), engine.world_size,
                                   engine.rank, collate_fn, drop_last)
-    return DeepSpeedEngine(engine, loader), engine.optimizer, loader, engine.lr_scheduler
+    return DeepSpeedEngine(engine, loader, as_given), engine.optimizer, loader, engine.lr_scheduler
+
+
+def _translate_client_keys(raw: dict[str, Any], model: nn.Module) -> None:
+    """What DeepSpeed's clients write that means something else in zeroshard's config:
+    `steps_per_print: inf` (Accelerate: never print) and modules flagged by
+    `deepspeed.utils.set_z3_leaf_modules` (gather units, zeroshard's leaf_module.classes)."""
+    every = raw.get("steps_per_print")
+    if isinstance(every, float) and math.isinf(every) and every > 0:
+        raw.pop("steps_per_print")
+    leaves = flagged_classes(model)
+    if leaves:
+        zero = raw.setdefault("zero_optimization", {})
+        leaf = zero.setdefault("leaf_module", {})
+        classes = list(leaf.get("classes") or [])
+        leaf["classes"] = classes + [c for c in leaves if c not in classes]
 
 
 def _as_list(model_parameters) -> list[Any] | None:

@@ -1,0 +1,129 @@
+"""transformers.Trainer with a DeepSpeed config of "auto" values, on a tiny GPT-2.
+
+An ordinary Hugging Face script: it imports nothing of zeroshard. Run it with DeepSpeed
+(`deepspeed --num_gpus 2 trainer_gpt2.py ...`) or on zeroshard
+(`zeroshard launch --nproc 2 trainer_gpt2.py ...`); tests/test_hf_trainer.py compares the
+two. Rank 0 prints one `RESULT {json}` line: the logged losses, and the loss of the
+trained model on a fixed batch.
+
+  --stage 2|3, --offload (offload_optimizer: cpu), --gas N, --ds-optimizer (the config's
+  own optimizer and scheduler sections instead of Trainer's), --save-model (save_model to
+  OUT/final), --from-pretrained DIR (build the model with from_pretrained after
+  TrainingArguments: the ZeRO-3 zero.Init loading path), --resume-at N (save a checkpoint
+  at step N, then train a second Trainer with resume_from_checkpoint=OUT/checkpoint-N to
+  the end: its losses must be the first one's after step N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import TokenDataset, gpt2_config, probe_batch, report  # noqa: E402
+
+
+def ds_config(args) -> dict:
+    zero = {"stage": args.stage, "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True}
+    if args.stage != 3:
+        zero = {k: v for k, v in zero.items() if not k.startswith("stage3")}
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
+              "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}
+    if args.ds_optimizer:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                           "weight_decay": "auto"}}
+        config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                    "warmup_num_steps": "auto",
+                                                                    "total_num_steps": "auto"}}
+    return config
+
+
+def held_fraction(model) -> float:
+    """Elements of the model's parameters this rank holds, over the model's size."""
+    import torch.distributed as dist
+
+    from transformers import GPT2LMHeadModel
+
+    full = sum(p.numel() for p in GPT2LMHeadModel(gpt2_config()).parameters())
+    held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    t = torch.tensor([float(held)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t) / full
+
+
+def probe_loss(model) -> float:
+    model.eval()
+    with torch.no_grad():
+        return float(model(**probe_batch()).loss)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--offload", action="store_true")
+    p.add_argument("--gas", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--save-model", action="store_true")
+    p.add_argument("--ds-optimizer", action="store_true")
+    p.add_argument("--resume-at", type=int, default=0)
+    p.add_argument("--from-pretrained", default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
+    args = p.parse_args()
+
+    from transformers import Trainer, TrainingArguments
+
+    targs = TrainingArguments(
+        output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=args.gas,
+        max_steps=args.steps, learning_rate=2e-3, warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0,
+        logging_steps=1, save_strategy="steps" if args.resume_at else "no", save_steps=args.resume_at or 500,
+        report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, deepspeed=ds_config(args),
+        use_cpu=not torch.cuda.is_available())
+    extra: dict = {}
+    model = build_model(args, extra)
+    trainer = Trainer(model=model, args=targs, train_dataset=TokenDataset())
+    result = trainer.train()
+    extra["losses"] = logged_losses(trainer)
+    extra["train_loss"] = result.training_loss
+    extra["probe_loss"] = probe_loss(trainer.model_wrapped)
+    if args.save_model:
+        trainer.save_model(os.path.join(args.out, "final"))
+    if args.resume_at:
+        again = Trainer(model=build_model(args, {}), args=targs, train_dataset=TokenDataset())
+        again.train(resume_from_checkpoint=os.path.join(args.out, f"checkpoint-{args.resume_at}"))
+        extra["resumed_losses"] = logged_losses(again)[-(args.steps - args.resume_at):]
+        extra["resumed_probe_loss"] = probe_loss(again.model_wrapped)
+    if trainer.is_world_process_zero():
+        report(**extra)
+
+
+def build_model(args, extra: dict):
+    from transformers import GPT2LMHeadModel, set_seed
+
+    set_seed(0)
+    if not args.from_pretrained:
+        return GPT2LMHeadModel(gpt2_config())
+    model = GPT2LMHeadModel.from_pretrained(args.from_pretrained)  # under ZeRO-3: zero.Init, shards only
+    extra["held_fraction"] = held_fraction(model)
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        extra["loaded_probe_loss"] = probe_loss(model)
+    model.train()
+    return model
+
+
+def logged_losses(trainer) -> list[float]:
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+
+if __name__ == "__main__":
+    main()
