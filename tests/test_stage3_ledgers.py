@@ -1,4 +1,5 @@
-"""Stage 3 figures from the ledgers: 3 x Phi per step, Phi x 2 / N at rest (bf16), peaks capped."""
+"""Stage 3 figures from the ledgers: 3 x Phi per step, Phi x 2 / N at rest (bf16), peaks capped;
+under a max_live_parameters cap below root + one block, nothing in use is evicted (issue 28)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,44 @@ RUNS = {
                      zero=NO_REUSE + (("stage3_max_live_parameters", 16_000),)),
     "reuse": Case(stage=3, optimizer="sgd", zero=(("stage3_param_persistence_threshold", 0),)),
 }
+# below root + one block (2,624 + 12,704 elements): the root, in use through the whole forward,
+# must stay gathered while a block is gathered; only units nobody uses may be dropped for room
+TIGHT_CAP = 14_000
+TIGHT = Case(stage=3, optimizer="sgd", steps=3, zero=NO_REUSE + (("stage3_max_live_parameters", TIGHT_CAP),))
+
+
+def _tight_cap(rank, world_size):
+    """Per step: all-gather calls and elements, the recorded order, and any re-recording logged."""
+    import logging
+
+    import zeroshard
+    from oracle import MICRO, batch, config_for, loss_of, make_model
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    log = logging.getLogger("zeroshard")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    engine = zeroshard.initialize(make_model(TIGHT), config_for(TIGHT, world_size))
+    steps = []
+    try:
+        for step in range(TIGHT.steps):
+            engine.reset_comm_stats()
+            x, y = batch(TIGHT, step, world_size)
+            engine.backward(loss_of(engine, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+            engine.step()
+            gathers = engine.comm_stats()["all_gather"]
+            steps.append({"calls": gathers["calls"], "elements": gathers["elements"],
+                          "order": list(engine.params.runtime._trace)})
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    out = {"steps": steps, "re_recorded": [m for m in said if "re-recorded" in m],
+           "units": [sum(b.layout.padded_numel for b in u.buckets) for u in engine.units]}
+    engine.close()
+    return out
 
 
 def _worker(rank, world_size, runs):
@@ -39,6 +78,7 @@ def _worker(rank, world_size, runs):
                     "persistent": persistent, "itemsize": engine.buckets[0].dtype.itemsize,
                     "phi": sum(p.numel() for p in engine.module.parameters())}
         engine.close()
+    out["tight-cap"] = _tight_cap(rank, world_size)
     return out
 
 
@@ -96,3 +136,19 @@ def test_reuse_distance_saves_the_backward_gather(ledgers):
     phi = sum(r["units"])
     assert phi <= r["comm"]["all_gather"]["elements"] < 2 * phi
     assert r["mem"]["peak_params"] <= r["rest"]["params"] + phi * r["itemsize"]
+
+
+def test_a_cap_below_root_plus_a_block_never_evicts_a_unit_in_use(ledgers):
+    """Every step gathers each unit once in forward and once in backward (2 x Phi), in the order
+    step 1 recorded: root, the blocks, root, the blocks reversed. Evicting the root while its
+    forward still runs re-gathers it on the next read of its parameters, which re-records the
+    order ('execution order changed') and adds a gather of the root to every later step."""
+    for rank in range(WORLD):
+        r = ledgers[rank]["tight-cap"]
+        root, blocks = r["units"][0], r["units"][1:]
+        assert max(blocks) < TIGHT_CAP < root + min(blocks), "the cap must fall below root + one block"
+        n = len(r["units"])
+        for i, step in enumerate(r["steps"]):
+            assert (step["calls"], step["elements"]) == (2 * n, 2 * sum(r["units"])), (rank, i, step)
+            assert step["order"] == [0, *range(1, n), 0, *range(n - 1, 0, -1)], (rank, i, step["order"])
+        assert r["re_recorded"] == [], (rank, r["re_recorded"])
