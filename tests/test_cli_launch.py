@@ -47,7 +47,7 @@ def test_launch_errors_are_one_line(capsys, tmp_path):
 def test_multi_node_rendezvous_is_passed_to_torchrun():
     args = argparse.Namespace(nproc=8, nnodes=4, node_rank=2, master_addr="head", master_port=29400)
     cmd = torchrun_command(args, ["train.py", "--lr", "1"])
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "zeroshard.cli.torchrun_main"]  # torch.distributed.run, quieter
     assert cmd[3:] == ["--nnodes=4", "--node-rank=2", "--master-addr=head", "--master-port=29400",
                        "--nproc-per-node=8", "train.py", "--lr", "1"]
     one = torchrun_command(argparse.Namespace(nproc=2, nnodes=1, node_rank=0, master_addr=None, master_port=29500),

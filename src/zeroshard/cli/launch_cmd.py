@@ -26,10 +26,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import subprocess
 import sys
 
-__all__ = ["add_rendezvous_arguments", "apply_deepspeed_flags", "check_nproc", "register", "run_torchrun",
+__all__ = ["add_rendezvous_arguments", "apply_deepspeed_flags", "check_nproc", "rank_target", "register", "run_torchrun",
            "torchrun_command"]
 
 _LOCAL_HOSTS = ("localhost", "127.0.0.1")
@@ -167,11 +166,12 @@ def check_rendezvous(args: argparse.Namespace) -> str | None:
 
 
 def torchrun_command(args: argparse.Namespace, target: list[str]) -> list[str]:
-    """`python -m torch.distributed.run ...` for `target` (a script or `-m module` and its args).
+    """`python -m torch.distributed.run ...` for `target` (a script or `-m module` and its args),
+    through zeroshard.cli.torchrun_main (the same torchrun; a stop or failure without tracebacks).
 
     One node without --master-addr: `--standalone` (a free port on localhost). Otherwise the
     static rendezvous every node runs with the same --master-addr/--master-port."""
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [sys.executable, "-m", "zeroshard.cli.torchrun_main"]  # torch.distributed.run, quieter
     if args.nnodes == 1 and not args.master_addr:
         cmd.append("--standalone")
     else:
@@ -183,7 +183,16 @@ def torchrun_command(args: argparse.Namespace, target: list[str]) -> list[str]:
     return [*cmd, f"--nproc-per-node={args.nproc}", *target]
 
 
-def run_torchrun(cmd: list[str], extra_env: dict[str, str] | None = None) -> int:
+def rank_target(target: list[str]) -> list[str]:
+    """What torchrun starts in each rank: `target` under zeroshard.cli.rank_main (signals, one-line errors)."""
+    return ["-m", "zeroshard.cli.rank_main", *target]
+
+
+def run_torchrun(cmd: list[str], extra_env: dict[str, str] | None = None, command: str = "zeroshard launch",
+                 describe_stop=None) -> int:
+    """Run torchrun's `cmd` under the launcher's supervision (cli/supervise.py); its exit status."""
+    from zeroshard.cli.supervise import supervise
+
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
     if any(a.startswith("--max-restarts=") for a in cmd):  # written by torchrun_command when N > 0
         # torchrun shares its rendezvous store with the workers by default, and a restarted worker
@@ -191,10 +200,7 @@ def run_torchrun(cmd: list[str], extra_env: dict[str, str] | None = None) -> int
         # (pytorch/pytorch#135712; seen here as gloo "Connection refused" in the restarted attempt).
         # Without the sharing each round gets a fresh store.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 130
+    return supervise(cmd, env, command, describe_stop)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,4 +222,4 @@ def run(args: argparse.Namespace) -> int:
     print(served_line, file=sys.stderr)
     extra_env = {**extra_env, **served_env}
     target = ["-m", args.script] if args.module else [args.script]
-    return run_torchrun(torchrun_command(args, [*target, *args.script_args]), extra_env)
+    return run_torchrun(torchrun_command(args, rank_target([*target, *args.script_args])), extra_env)

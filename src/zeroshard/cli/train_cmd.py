@@ -13,8 +13,8 @@ import argparse
 import os
 import sys
 
-from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, run_torchrun, \
-    torchrun_command
+from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, rank_target, \
+    run_torchrun, torchrun_command
 from zeroshard.cli.train_model import model_choices
 
 REPORT_DEFAULT = "zeroshard_train_report.png"
@@ -112,8 +112,21 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"zeroshard train: {problem}", file=sys.stderr)
         return 2
-    target = ["-m", "zeroshard.cli.train_worker", *worker_argv(args)]
-    return run_torchrun(torchrun_command(args, target))
+    target = rank_target(["-m", "zeroshard.cli.train_worker", *worker_argv(args)])
+    return run_torchrun(torchrun_command(args, target), command="zeroshard train",
+                        describe_stop=lambda: last_checkpoint_line(args.save))
+
+
+def last_checkpoint_line(save: str | None) -> str:
+    """For the stop line: which checkpoint a rerun continues from."""
+    if not save:
+        return ""
+    try:
+        with open(os.path.join(save, "latest")) as fh:
+            tag = fh.read().strip()
+    except OSError:
+        return f"no checkpoint was completed in {save}"
+    return f"the last complete checkpoint is {os.path.join(save, tag)} (the same command continues from it)"
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
@@ -18,6 +17,7 @@ import torch
 from rich.console import Console
 
 import zeroshard
+from zeroshard.cli import rank_guard
 from zeroshard.cli.train_config import DEFAULT_STEPS_PER_PRINT, build_config
 from zeroshard.cli.train_data import NoTextError, load_tokens, rank_batch
 from zeroshard.cli.train_model import ModelSpecError, TrainModel, build_model
@@ -33,8 +33,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         return _train(args, console)
     except (ZeroShardError, ModelSpecError, NoTextError) as exc:
-        rank = os.environ.get("RANK", "0")
-        print(f"zeroshard train{'' if rank == '0' else f' (rank {rank})'}: {exc}", file=sys.stderr)
+        rank_guard.report_error("zeroshard train", str(exc))  # under the launcher: one line, once
         return 2
 
 
@@ -89,6 +88,7 @@ def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, ever
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     rec.tokens_per_step *= args.seq_len
     progress = make_progress(console, args.steps, disable=engine.rank != 0)
+    rank_guard.set_where(lambda: f"at step {rec.first_step + len(rec.losses)} of {args.steps}")
     killed_before = kill_hook(engine.rank)  # a test hook; a no-op unless ZEROSHARD_TEST_KILL_AT is set
     started = time.perf_counter()
     with progress:
@@ -146,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeroshard.cli.train_worker")
     add_train_arguments(parser)
     parser.add_argument("--nproc", type=int, default=1)
-    return train(parser.parse_args(argv))  # the engine's Topology destroys the group it made
+    rank_guard.install()  # a stop signal ends the rank quietly (also under your own torchrun)
+    try:
+        return train(parser.parse_args(argv))  # the engine's Topology destroys the group it made
+    except rank_guard.StopRequested as stop:
+        return rank_guard.stop_code(stop.signum)
 
 
 if __name__ == "__main__":
