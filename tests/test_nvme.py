@@ -33,19 +33,24 @@ def nvme_both(path: str) -> dict:
                                             "buffer_size": 4096}}
 
 
-# (case, offload builder): each runs with NVMe and without offload; the two must be equal
+# (case, offload builder, sub_group_size): each runs with NVMe and without offload; the two must
+# be equal. sub_group_size 1000 puts one bucket shard in each sub-group (the pipeline runs over
+# many); 3000 (stages 1-2: shards of 48-2,048) and 8000 with reduce_bucket_size 8000 (stage 3: root
+# 1,312, blocks 6,352; the engine caps a sub-group at reduce_bucket_size) put 2-3 in one, so the
+# offsets between buckets inside a swap buffer are used (issue 28)
+BIG_SUB = (("reduce_bucket_size", 8000),)
 S = 3  # steps per case (the oracle's default is 5; 3 keep the file's run time down)
 CASES = [
-    (Case(stage=1, optimizer="sgd", steps=S), lambda p: nvme(p)),
-    (Case(stage=2, optimizer="adamw", gas=2, clip=0.5, steps=S), lambda p: nvme(p)),
-    (Case(stage=2, optimizer="adamw", steps=S), lambda p: nvme(p, buffer_count=1)),  # serial pipeline
-    (Case(stage=3, optimizer="sgd", zero=NO_REUSE, steps=S), lambda p: nvme(p, buffer_count=2)),
-    (Case(stage=3, optimizer="adamw", zero=NO_REUSE, steps=S), lambda p: nvme(p)),
+    (Case(stage=1, optimizer="sgd", steps=S), lambda p: nvme(p), 3000),
+    (Case(stage=2, optimizer="adamw", gas=2, clip=0.5, steps=S), lambda p: nvme(p), 1000),
+    (Case(stage=2, optimizer="adamw", steps=S), lambda p: nvme(p, buffer_count=1), 3000),  # serial pipeline
+    (Case(stage=3, optimizer="sgd", zero=NO_REUSE + BIG_SUB, steps=S), lambda p: nvme(p, buffer_count=2), 8000),
+    (Case(stage=3, optimizer="adamw", zero=NO_REUSE, steps=S), lambda p: nvme(p), 1000),
     # parameters and optimizer states in files
-    (Case(stage=3, optimizer="sgd", zero=NO_REUSE, steps=S), nvme_both),
-    (Case(stage=3, optimizer="adamw", gas=2, clip=0.5, zero=NO_REUSE, steps=S), nvme_both),
+    (Case(stage=3, optimizer="sgd", zero=NO_REUSE, steps=S), nvme_both, 1000),
+    (Case(stage=3, optimizer="adamw", gas=2, clip=0.5, zero=NO_REUSE + BIG_SUB, steps=S), nvme_both, 8000),
     # bf16: the build writes each unit's fp32 masters to the file as it goes
-    (Case(stage=3, optimizer="adamw", precision="bf16", zero=NO_REUSE, steps=S), nvme_both),
+    (Case(stage=3, optimizer="adamw", precision="bf16", zero=NO_REUSE, steps=S), nvme_both, 1000),
 ]
 
 
@@ -88,10 +93,14 @@ def _evidence(engine) -> dict:
     params_on_disk = sum(b.shard().numel() * b.shard().element_size() for u in engine.units for b in u.buckets
                          if getattr(b, "_home", None) is not None)
     ahead = [t.ahead for t in param_tiers if t.ahead is not None]
-    return {"resident": resident, "buffers": swap.slots_used * swap.slot_bytes, "slots": swap.slots_used,
+    # the swap buffers that exist: one per slot the pipeline used (fewer slots than sub-groups: all)
+    buffers = sum(slot.buffer.numel() * slot.buffer.element_size() for slot in swap._slots if slot.buffer is not None)
+    assert buffers == min(swap.slots_used, len(opt._sub_groups)) * swap.slot_bytes
+    return {"resident": resident, "buffers": buffers, "slots": swap.slots_used,
             "params_nvme": params_on_disk, "param_pool": sum(a.buffers * a.buffer_bytes for a in ahead),
             "read_ahead_hits": sum(a.hits for a in ahead), "param_files": [t.folder for t in param_tiers],
-            "sub_groups": len(opt._sub_groups), "stats": stats, "on_disk": on_disk, "folder": folder,
+            "sub_groups": len(opt._sub_groups), "most_in_a_sub_group": max(len(g) for g in opt._sub_groups),
+            "stats": stats, "on_disk": on_disk, "folder": folder,
             "overwritten_reads_7": bool((after == 7.0).all()), "restored": bool(torch.equal(opt.master_value(0), before)),
             "expected_nvme": sum(m.numel() * 4 for m in opt.masters) * (1 + swap.k)}
 
@@ -101,16 +110,16 @@ def _worker(rank, world, root):
 
     dist.init_process_group("gloo")
     out = []
-    for i, (case, offload) in enumerate(CASES):
+    for i, (case, offload, sub_group) in enumerate(CASES):
         path = os.path.join(root, f"case{i}")
         os.makedirs(path, exist_ok=True)
-        engine = zeroshard.initialize(make_model(case), _config(case, offload(path)))
+        engine = zeroshard.initialize(make_model(case), _config(case, offload(path), sub_group))
         _steps(engine, case, rank, world, range(case.steps))
         ev = _evidence(engine)
         got = engine.full_state_dict()
         engine.close()
         ev["left_after_close"] = os.path.exists(ev["folder"])
-        plain = zeroshard.initialize(make_model(case), _config(case, None))
+        plain = zeroshard.initialize(make_model(case), _config(case, None, sub_group))
         _steps(plain, case, rank, world, range(case.steps))
         out.append({"nvme": got, "plain": plain.full_state_dict(), **ev})
         plain.close()
@@ -154,18 +163,19 @@ def results(tmp_path_factory):
 
 
 def _id(item):
-    case, offload = item
+    case, offload, sub_group = item
     keys = offload("x")
     return (f"z{case.stage}-{case.optimizer}-gas{case.gas}-{case.precision}-buffers{keys['offload_optimizer'].get('buffer_count', 4)}"
-            + ("-params" if "offload_param" in keys else ""))
+            + ("-params" if "offload_param" in keys else "") + f"-sub{sub_group}")
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[_id(c) for c in CASES])
 def test_nvme_optimizer_trains_like_one_process_and_equals_no_offload(i, results):
-    case, _ = CASES[i]
+    case, _, sub_group = CASES[i]
     ref = train_reference(case, WORLD) if case.precision == "fp32" else None  # bf16: equal to the plain run
     for r in (rank["cases"][i] for rank in results):
         assert r["sub_groups"] > 1
+        assert (r["most_in_a_sub_group"] > 1) == (sub_group > 1000), r["most_in_a_sub_group"]
         if ref is not None:
             assert_matches(case, r["nvme"], ref)
         for name, value in r["plain"].items():  # same memory, same arithmetic: bit for bit

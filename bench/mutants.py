@@ -1,0 +1,302 @@
+"""Planted bugs the default test run must catch (issue 28): a kept list, and the runner.
+
+Each mutant is one small textual edit to one line of src/ (file, old text, new text), a
+one-line reason (what a user would see), and the test files most likely to catch it. The
+runner never touches the repository's own src/: it extracts a commit (`git archive`, HEAD by
+default) into a scratch folder, and for each mutant
+
+  1. asserts the old text occurs exactly once in its file (a stale mutant is reported as
+     STALE, never silently skipped),
+  2. writes the mutated file, runs `python -m pytest -q -x <its test files>` in the scratch
+     folder with PYTHONPATH=<scratch>/src (so the copy shadows the editable install) under
+     the default markers (`not slow`, from pyproject.toml),
+  3. restores the file (and checks it is byte-identical again),
+  4. checks that every process that imported zeroshard imported the scratch copy: a
+     sitecustomize on PYTHONPATH records `zeroshard.__spec__.origin` of every Python process
+     (pytest, multiprocessing-spawned ranks, torchrun's workers, CLI subprocesses); a run in
+     which any process imported another copy is reported as SHADOW-FAIL, not as a result,
+  5. records caught (pytest failed) / missed (pytest passed) and the seconds it took.
+
+It prints a markdown table. A benchmark, not a CI job: run it on a quiet machine, one mutant
+at a time; `nice -n 10 python bench/mutants.py` for the whole list, `--only NAME[,NAME]` for some,
+`--apply NAME --scratch DIR` to leave one mutated copy for a look by hand, `--list` for the list.
+Its latest table goes in bench/RESULTS.md with the commit it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    file: str  # relative to src/zeroshard/
+    old: str  # must occur exactly once in the file
+    new: str
+    reason: str  # the bug, in a line
+    tests: tuple[str, ...]  # test files (or node ids) that should catch it
+
+
+S = "stages/"
+O = "optim/"
+C = "comm/"
+F = "offload/"
+K = "checkpoint/"
+G = "config/"
+D = "deepspeed/"
+L = "cli/"
+
+MUTANTS: list[Mutant] = [
+    # ---------------------------------------------------------------- stages
+    Mutant("qgz-sums", "stages (qgZ)", S + "gradients.py",
+           "return not self.use_all_reduce and self.reducer is None",
+           "return not self.use_all_reduce",
+           "qgZ gradients summed over ranks, not averaged (issue 28 miss 1)",
+           ("tests/test_zeropp.py",)),
+    Mutant("nvme-swap-slots-overlap", "optim (NVMe swap)", O + "nvme_swap.py",
+           "            if not self.swapped[b]:\n",
+           "            if not self.swapped[b] or (offset := 0):  # offset restarts at every bucket\n",
+           "NVMe swap: every bucket of a sub-group starts at offset 0 of the buffer, so they overlap (issue 28 miss 2)",
+           ("tests/test_nvme.py",)),
+    Mutant("stage3-evicts-in-use", "stages (stage 3)", S + "stage3.py",
+           "if unit.users == 0 and unit.state is not UnitState.RELEASED:",
+           "if unit.state is not UnitState.RELEASED:",
+           "stage 3 max_live_parameters evicts a unit still in use: re-gathered, order re-recorded (issue 28 miss 3)",
+           ("tests/test_stage3_ledgers.py",)),
+]
+
+SHADOW_PROBE = '''\
+"""Written by bench/mutants.py: record which zeroshard every Python process imports."""
+import os, sys
+
+
+class _ZeroshardWitness:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "zeroshard":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                with open(os.path.join(os.environ["ZEROSHARD_WITNESS_DIR"], f"{os.getpid()}.txt"), "a") as f:
+                    f.write(f"{spec.origin}\\t{' '.join(sys.argv)[:200]}\\n")
+                return spec
+        return None
+
+
+if os.environ.get("ZEROSHARD_WITNESS_DIR"):
+    sys.meta_path.insert(0, _ZeroshardWitness())
+'''
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", REPO, *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def make_scratch(commit: str, root: str | None) -> str:
+    """The commit's tree in a scratch folder (never the repository's working tree)."""
+    scratch = root or tempfile.mkdtemp(prefix="zeroshard-mutants-")
+    os.makedirs(scratch, exist_ok=True)
+    archive = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", commit], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", scratch], input=archive.stdout, check=True)
+    probe = os.path.join(scratch, "_witness")
+    os.makedirs(probe, exist_ok=True)
+    with open(os.path.join(probe, "sitecustomize.py"), "w") as f:
+        f.write(SHADOW_PROBE)
+    return scratch
+
+
+def apply(scratch: str, m: Mutant) -> tuple[str, str]:
+    """Write the mutant into the scratch copy; return (path, original text). Raises on a stale one."""
+    path = os.path.join(scratch, "src", "zeroshard", m.file)
+    with open(path) as f:
+        original = f.read()
+    count = original.count(m.old)
+    if count != 1:
+        raise LookupError(f"{m.name}: old text occurs {count} times in src/zeroshard/{m.file} (stale mutant)")
+    with open(path, "w") as f:
+        f.write(original.replace(m.old, m.new))
+    return path, original
+
+
+def restore(path: str, original: str) -> None:
+    with open(path, "w") as f:
+        f.write(original)
+    with open(path) as f:
+        assert f.read() == original, f"{path} not restored"
+
+
+def witness_env(scratch: str, witness: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(scratch, "_witness"), os.path.join(scratch, "src"),
+                                         *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    env["ZEROSHARD_WITNESS_DIR"] = witness
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no .pyc of a mutated file outlives its run
+    return env
+
+
+def read_witness(witness: str, scratch: str) -> tuple[int, list[str]]:
+    """(processes that imported zeroshard, the origins that were not the scratch copy)."""
+    want = os.path.realpath(os.path.join(scratch, "src", "zeroshard"))
+    procs, foreign = 0, []
+    for name in os.listdir(witness):
+        with open(os.path.join(witness, name)) as f:
+            for line in f:
+                origin, argv = line.rstrip("\n").split("\t", 1)
+                procs += 1
+                if not os.path.realpath(origin).startswith(want + os.sep):
+                    foreign.append(f"{origin} ({argv})")
+    return procs, foreign
+
+
+def run_tests(scratch: str, tests: tuple[str, ...], timeout: float, extra: list[str]) -> dict:
+    witness = tempfile.mkdtemp(prefix="witness-", dir=scratch)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *extra, *tests]
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=scratch, env=witness_env(scratch, witness), capture_output=True, text=True,
+                              timeout=timeout)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out = -1, f"timed out after {timeout:.0f}s\n{exc.stdout or ''}"
+    seconds = time.perf_counter() - started
+    procs, foreign = read_witness(witness, scratch)
+    shutil.rmtree(witness, ignore_errors=True)
+    tail = [line for line in out.splitlines() if line.strip()]
+    return {"rc": rc, "seconds": seconds, "procs": procs, "foreign": foreign, "summary": tail[-1] if tail else "",
+            "first_failure": next((line for line in tail if line.startswith(("FAILED", "ERROR"))), ""), "out": out}
+
+
+def run_one(scratch: str, m: Mutant, timeout: float, extra: list[str]) -> dict:
+    try:
+        path, original = apply(scratch, m)
+    except LookupError as exc:
+        return {"name": m.name, "verdict": "STALE", "seconds": 0.0, "detail": str(exc)}
+    try:
+        r = run_tests(scratch, m.tests, timeout, extra)
+    finally:
+        restore(path, original)
+    if r["foreign"] or not r["procs"]:
+        verdict = "SHADOW-FAIL"
+        detail = f"{len(r['foreign'])} of {r['procs']} processes imported another zeroshard: {r['foreign'][:2]}"
+    elif r["rc"] == -1:
+        verdict, detail = "TIMEOUT", r["summary"]
+    elif r["rc"] == 0:
+        verdict, detail = "missed", r["summary"]
+    elif r["rc"] == 1:
+        verdict, detail = "caught", r["first_failure"] or r["summary"]
+    else:  # 2: interrupted / collection error, 3-5: pytest itself: a mutant that breaks import counts, but say so
+        verdict, detail = "caught", f"pytest exit {r['rc']}: {r['first_failure'] or r['summary']}"
+    return {"name": m.name, "verdict": verdict, "seconds": r["seconds"], "procs": r["procs"], "detail": detail,
+            "out": r["out"]}
+
+
+def table(results: list[dict]) -> str:
+    by_name = {m.name: m for m in MUTANTS}
+    lines = ["| # | mutant | area | file | verdict | s | tests run | what failed / reason |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(results, 1):
+        m = by_name[r["name"]]
+        detail = r["detail"].replace("|", "\\|")[:160]
+        tests = ", ".join(t.replace("tests/", "") for t in m.tests)
+        lines.append(f"| {i} | `{m.name}` | {m.area} | {m.file} | {r['verdict']} | {r['seconds']:.0f} | {tests} | "
+                     f"{m.reason}; **{detail}** |")
+    caught = sum(r["verdict"] == "caught" for r in results)
+    lines.append("")
+    lines.append(f"{caught} of {len(results)} caught ({100 * caught / max(1, len(results)):.0f} %), "
+                 f"{sum(r['seconds'] for r in results):.0f} s in all.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--commit", default="HEAD", help="the commit to extract (default HEAD)")
+    ap.add_argument("--only", default="", help="comma-separated mutant names")
+    ap.add_argument("--skip", default="", help="comma-separated mutant names to leave out")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="only check that every mutant's old text occurs exactly once at the commit")
+    ap.add_argument("--clean", action="store_true", help="also run each distinct test set on the unmutated copy")
+    ap.add_argument("--apply", metavar="NAME", help="leave the scratch copy with mutant NAME applied, run nothing")
+    ap.add_argument("--scratch", help="scratch folder (default: a new temporary one, removed at the end)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's pytest run")
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space-separated")
+    args = ap.parse_args(argv)
+
+    names = [n for n in args.only.split(",") if n]
+    unknown = set(names) - {m.name for m in MUTANTS}
+    if unknown:
+        ap.error(f"unknown mutants: {sorted(unknown)}")
+    skip = {n for n in args.skip.split(",") if n}
+    chosen = [m for m in MUTANTS if (not names or m.name in names) and m.name not in skip]
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS), "duplicate mutant names"
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:28} {m.area:26} {m.file:28} {m.reason}")
+        print(f"{len(chosen)} mutants")
+        return 0
+
+    commit = git("rev-parse", args.commit)
+    scratch = make_scratch(commit, args.scratch)
+    keep = bool(args.scratch) or bool(args.apply)
+    try:
+        if args.apply:
+            (m,) = [m for m in MUTANTS if m.name == args.apply]
+            apply(scratch, m)
+            print(f"{scratch}: {m.name} applied to src/zeroshard/{m.file}; run with PYTHONPATH={scratch}/src")
+            return 0
+        stale = []
+        for m in chosen:
+            try:
+                restore(*apply(scratch, m))
+            except LookupError as exc:
+                stale.append(str(exc))
+        if args.check or stale:
+            print("\n".join(stale) or f"all {len(chosen)} mutants apply at {commit[:10]}")
+            return 1 if stale else 0
+        extra = args.pytest_args.split()
+        print(f"commit {commit}, scratch {scratch}, {len(chosen)} mutants", flush=True)
+        if args.clean:
+            for tests in sorted({m.tests for m in chosen}):
+                r = run_tests(scratch, tests, args.timeout, extra)
+                print(f"clean {' '.join(tests)}: rc {r['rc']}, {r['seconds']:.0f} s, {r['procs']} processes "
+                      f"imported the scratch copy, foreign {r['foreign'][:2]}: {r['summary']}", flush=True)
+        results = []
+        for m in chosen:
+            r = run_one(scratch, m, args.timeout, extra)
+            results.append(r)
+            print(f"{m.name}: {r['verdict']} in {r['seconds']:.0f} s ({r.get('procs', 0)} processes imported "
+                  f"the scratch copy): {r['detail'][:200]}", flush=True)
+            if r["verdict"] not in ("caught",):
+                tail = r.get("out", "")[-3000:]
+                print(tail, flush=True)
+        print()
+        print(f"Commit `{commit}`; `{' '.join(['python', 'bench/mutants.py', *(argv or sys.argv[1:])])}`\n")
+        print(table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"commit": commit, "results": [{k: v for k, v in r.items() if k != "out"} for r in results]},
+                          f, indent=1)
+        return 0 if all(r["verdict"] == "caught" for r in results) else 1
+    finally:
+        if not keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
