@@ -20,11 +20,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(script: str, args: list[str], cwd, timeout: float = 240, flags: tuple[str, ...] = ()) -> tuple[dict, str]:
+def launch(script: str, args: list[str], cwd, timeout: float = 240, flags: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> tuple[dict, str]:
     """(rank 0's RESULT, the launcher's stderr)."""
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc", "2", *flags,
            os.path.join(SCRIPTS, script), *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=clean_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = [json.JSONDecoder().raw_decode(part)[0] for part in proc.stdout.split("RESULT ")[1:]
             if part.startswith("{")]

@@ -8,8 +8,9 @@ trained model on a fixed batch.
 
   --stage 2|3, --offload (offload_optimizer: cpu), --gas N, --ds-optimizer (the config's
   own optimizer and scheduler sections instead of Trainer's), --save-model (save_model to
-  OUT/final), --from-pretrained DIR (build the model with from_pretrained after
-  TrainingArguments: the ZeRO-3 zero.Init loading path), --resume-at N (save a checkpoint
+  OUT/final), --zero3-load (save the seeded model to OUT/init, then build it with
+  from_pretrained after TrainingArguments: under ZeRO-3 the zero.Init loading path, each
+  rank holding only its shards), --resume-at N (save a checkpoint
   at step N, then train a second Trainer with resume_from_checkpoint=OUT/checkpoint-N to
   the end: its losses must be the first one's after step N).
 """
@@ -74,7 +75,7 @@ def main() -> None:
     p.add_argument("--save-model", action="store_true")
     p.add_argument("--ds-optimizer", action="store_true")
     p.add_argument("--resume-at", type=int, default=0)
-    p.add_argument("--from-pretrained", default=None)
+    p.add_argument("--zero3-load", action="store_true")
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     args = p.parse_args()
@@ -108,10 +109,17 @@ def main() -> None:
 def build_model(args, extra: dict):
     from transformers import GPT2LMHeadModel, set_seed
 
+    import torch.distributed as dist
+
     set_seed(0)
-    if not args.from_pretrained:
-        return GPT2LMHeadModel(gpt2_config())
-    model = GPT2LMHeadModel.from_pretrained(args.from_pretrained)  # under ZeRO-3: zero.Init, shards only
+    model = GPT2LMHeadModel(gpt2_config())  # built whole: a plain constructor call is not under zero.Init
+    if not args.zero3_load:
+        return model
+    init_dir = os.path.join(args.out, "init")
+    if dist.get_rank() == 0 and not os.path.isdir(init_dir):
+        model.save_pretrained(init_dir)
+    dist.barrier()
+    model = GPT2LMHeadModel.from_pretrained(init_dir)  # under ZeRO-3: zero.Init, shards only
     extra["held_fraction"] = held_fraction(model)
     import deepspeed
 

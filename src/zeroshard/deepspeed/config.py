@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from typing import Any, Mapping
 
@@ -12,7 +13,7 @@ from zeroshard.policies import ConfigError
 
 log = logging.getLogger("zeroshard")
 
-__all__ = ["SHIM_KEYS", "resolve_config", "unsupported"]
+__all__ = ["SHIM_KEYS", "client_config", "resolve_config", "unsupported"]
 
 # keys DeepSpeed's engine acts on that zeroshard's own config leaves to the shim
 SHIM_KEYS = ("dataloader_drop_last",)
@@ -46,6 +47,16 @@ def resolve_config(args: Any, config: Any, config_params: Any) -> dict[str, Any]
         raise ConfigError(f"config must be a dict or the path of a JSON file, not {type(config).__name__}")
     if "pipeline" in raw:
         raise ConfigError(unsupported("pipeline parallelism (the config's 'pipeline' section)"))
+    return raw
+
+
+def client_config(config: Any) -> dict[str, Any]:
+    """A config as DeepSpeed's clients write it (a dict or a JSON path), read into a dict
+    zeroshard's loader takes: `steps_per_print: inf` (Accelerate's "never print") is dropped."""
+    raw = copy.deepcopy(dict(config)) if isinstance(config, Mapping) else read_json(config)
+    every = raw.get("steps_per_print")
+    if isinstance(every, float) and math.isinf(every) and every > 0:
+        raw.pop("steps_per_print")
     return raw
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from typing import Any
 
 import torch
@@ -26,10 +25,11 @@ from torch import nn
 import zeroshard
 from zeroshard.comm import world_size_hint
 from zeroshard.config import load_config
-from zeroshard.deepspeed.config import resolve_config, unsupported
+from zeroshard.deepspeed.config import client_config, resolve_config, unsupported
 from zeroshard.deepspeed.dataloader import build_dataloader
 from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.utils.z3_leaf_module import flagged_classes
+from zeroshard.deepspeed.zero import forget_ds_attributes
 from zeroshard.optim.factory import build_optimizer
 from zeroshard.policies import ConfigError
 
@@ -55,7 +55,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     raw = resolve_config(args, config, config_params)
     as_given = copy.deepcopy(raw)  # engine.config: what the caller passed (Trainer reads it back)
     drop_last = bool(raw.pop("dataloader_drop_last", False))  # the shim builds the loader, so it acts on it
-    _translate_client_keys(raw, model)
+    raw = client_config(raw)  # steps_per_print: inf (Accelerate) means never print
+    _add_z3_leaf_classes(raw, model)
 
     opt_arg = optimizer
     params = _as_list(model_parameters)
@@ -70,6 +71,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         _freeze_unoptimized(model, opt_arg)
 
     engine = zeroshard.initialize(model, raw, opt_arg, lr_scheduler)
+    forget_ds_attributes(model)
     if isinstance(opt_arg, torch.optim.Optimizer):
         # DeepSpeed steps the client's optimizer object itself, so a scheduler built over it
         # (Accelerate's AcceleratedScheduler, a script's LambdaLR) sets the lr that is used;
@@ -88,13 +90,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     return DeepSpeedEngine(engine, loader, as_given), engine.optimizer, loader, engine.lr_scheduler
 
 
-def _translate_client_keys(raw: dict[str, Any], model: nn.Module) -> None:
-    """What DeepSpeed's clients write that means something else in zeroshard's config:
-    `steps_per_print: inf` (Accelerate: never print) and modules flagged by
-    `deepspeed.utils.set_z3_leaf_modules` (gather units, zeroshard's leaf_module.classes)."""
-    every = raw.get("steps_per_print")
-    if isinstance(every, float) and math.isinf(every) and every > 0:
-        raw.pop("steps_per_print")
+def _add_z3_leaf_classes(raw: dict[str, Any], model: nn.Module) -> None:
+    """Modules flagged by `deepspeed.utils.set_z3_leaf_modules` are gather units: their
+    classes join zeroshard's `zero_optimization.leaf_module.classes`."""
     leaves = flagged_classes(model)
     if leaves:
         zero = raw.setdefault("zero_optimization", {})

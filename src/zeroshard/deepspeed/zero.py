@@ -5,12 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 import zeroshard
-from zeroshard.deepspeed.config import unsupported
+from zeroshard.deepspeed.config import client_config, unsupported
+from zeroshard.partition.param_shards import shard_of
 from zeroshard.policies import ConfigError
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
-GatheredParameters = zeroshard.GatheredParameters  # same signature: (params, modifier_rank, fwd_module, enabled)
+class GatheredParameters(zeroshard.GatheredParameters):
+    """zeroshard.GatheredParameters (same signature: params, modifier_rank, fwd_module, enabled);
+    parameters sharded by `Init` get their new shard as `ds_tensor` on exit."""
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for param in self.params:
+            entry = shard_of(param)
+            if entry is not None and "ds_tensor" in param.__dict__:
+                param.ds_tensor = entry.shard
 
 _STAGE3_ONLY = {"zero_optimization": {"stage": 3}}
 
@@ -42,7 +52,27 @@ class Init(zeroshard.Init):
         if unknown:
             raise ConfigError(f"zero.Init({', '.join(unknown)}=...) is not supported by zeroshard")
         cfg = config_dict_or_path if config_dict_or_path is not None else config
-        super().__init__(cfg if cfg is not None else _STAGE3_ONLY, enabled)
+        super().__init__(client_config(cfg) if cfg is not None else _STAGE3_ONLY, enabled)
+
+    def _on_attach(self, parent, name, child):
+        """As zeroshard.Init, and each parameter sharded here shows DeepSpeed's attributes:
+        `ds_tensor` (this rank's shard), `ds_numel`, `ds_shape`; `initialize` takes them
+        off when the engine's buckets take the shards over."""
+        out = super()._on_attach(parent, name, child)
+        if child is not None:
+            for param in child.parameters(recurse=False):
+                entry = shard_of(param)
+                if entry is not None:
+                    param.ds_tensor, param.ds_numel, param.ds_shape = entry.shard, entry.numel, param.shape
+        return out
+
+
+def forget_ds_attributes(model) -> None:
+    """The engine holds the shards now: the Init-time `ds_*` attributes would be stale."""
+    for param in model.parameters():
+        for attr in ("ds_tensor", "ds_numel", "ds_shape"):
+            if attr in param.__dict__:
+                delattr(param, attr)
 
 
 def register_external_parameter(module, parameter) -> None:
