@@ -14,6 +14,8 @@ commit message of this file for what was planted and what failed).
 * The LR schedule (WarmupLR, linear) under gradient accumulation and across skipped steps: the
   lr changes only at accumulation boundaries, not at skipped steps, and equals the schedule
   stepped once per applied optimizer step.
+* The global gradient norm (fp32 SGD, stages 0-3): get_global_grad_norm() equals one process's
+  norm of the whole batch's gradient, step by step, on every rank.
 * Every rank's module computes the same thing: after training, a forward on one fixed input
   gives identical logits on every rank (stages 0-3, fp32 and fp16), which an all-gather of the
   same shards (full_state_dict) cannot show.
@@ -118,11 +120,14 @@ def _worker(rank: int, world_size: int):
         out["fp16"][stage] = {"log": log, "state": engine.full_state_dict()}
         out["probe"][f"fp16-z{stage}"] = probe(engine)
         engine.close()
+    out["norms"] = {}
     for stage in PROBE_STAGES:
         for optimizer in ("sgd", "adamw"):
             case = Case(stage=stage, optimizer=optimizer, steps=2, zero=_s3(stage))
             engine = zeroshard.initialize(make_model(case), config_for(case, world_size))
-            _train(engine, case, rank, world_size, case.steps)
+            norms = []
+            _train(engine, case, rank, world_size, case.steps, lambda step, m: norms.append(engine.get_global_grad_norm()))
+            out["norms"][f"z{stage}-{optimizer}"] = norms
             out["probe"][f"fp32-z{stage}-{optimizer}"] = probe(engine)
             engine.close()
     return out
@@ -301,6 +306,35 @@ def test_lr_schedule_with_accumulation_and_skipped_steps(results, stage):
         # the start and the first applied step share the min lr (warmup iteration 0); every other
         # applied step moves the lr, every skipped one must not
         assert len(set(expected)) == FP16_STEPS - len(skipped), f"the schedule is flat: no test ({expected})"
+
+
+# ---------------------------------------------------------------- the global gradient norm
+
+
+def _reference_norms(case: Case) -> list[float]:
+    """One process, whole batch: the gradient norm of each step (before the update)."""
+    model = make_model(case)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)  # as oracle.torch_optimizer's SGD
+    norms = []
+    for step in range(case.steps):
+        x, y = batch(case, step, WORLD)
+        opt.zero_grad(set_to_none=False)
+        loss_of(model, x, y).backward()
+        norms.append(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params])).item())
+        opt.step()
+    return norms
+
+
+@pytest.mark.parametrize("stage", PROBE_STAGES)
+def test_global_grad_norm_is_the_whole_gradients(results, stage):
+    """get_global_grad_norm() after each fp32 SGD step equals one process's gradient norm on the
+    whole batch (1e-5 relative), on every rank: at stages 1-3 each rank holds a shard, and a norm
+    not all-reduced over ranks is that shard's (about 1/sqrt(2) of it here)."""
+    want = _reference_norms(Case(stage=stage, optimizer="sgd", steps=2))
+    for rank, r in enumerate(results):
+        got = r["norms"][f"z{stage}-sgd"]
+        assert got == pytest.approx(want, rel=1e-5), f"z{stage} rank {rank}: norms {got} vs one process {want}"
 
 
 # ---------------------------------------------------------------- ranks agree

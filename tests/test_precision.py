@@ -1,4 +1,5 @@
-"""bf16 and fp16 mixed precision on 2 ranks: bounded drift from fp32, overflow skips on every rank.
+"""bf16 and fp16 mixed precision on 2 ranks: bounded drift from fp32, overflow skips on every rank
+(and leaves the lr schedule where it was).
 
 Bound for bf16 (stated and justified): bf16 keeps 8 significant bits, so each rounding
 of an activation or gradient is off by at most 2^-9 relative; a tiny GPT's backward
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from oracle import Case, make_model, train_engine, train_reference
+from oracle import Case, config_for, make_model, train_engine, train_reference
 
 WORLD = 2
 BF16 = [Case(stage=s, optimizer="sgd", precision="bf16", gas=g) for s in (0, 1, 2) for g in (1, 2)]
@@ -54,9 +55,13 @@ def _fp16_overflow_worker(rank, world_size):
     """Rank 1 alone produces an infinite loss at step 2: every rank must skip that step."""
     dist.init_process_group("gloo")
     case = Case(stage=2, optimizer="sgd", precision="fp16")
-    engine, _ = train_engine(case.with_(steps=2), rank, world_size)
+    cfg = config_for(case, world_size)  # an lr schedule that moves at every applied step
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.05,
+                                                       "warmup_num_steps": 8, "warmup_type": "linear"}}
+    engine, _ = train_engine(case.with_(steps=2), rank, world_size, cfg)
     before = {k: v.clone() for k, v in engine.full_state_dict().items()}
     scale_before = engine.loss_scale
+    lrs = [engine.get_lr()[0]]
     x = torch.randint(0, 64, (2, 16))
     loss = engine(x, x)[1]
     if rank == 1:
@@ -64,11 +69,13 @@ def _fp16_overflow_worker(rank, world_size):
     engine.backward(loss)
     engine.step()
     after = engine.full_state_dict()
+    lrs.append(engine.get_lr()[0])
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
     engine.backward(engine(x, x)[1])
     engine.step()
+    lrs.append(engine.get_lr()[0])
     moved = any(not torch.equal(after[k], v) for k, v in engine.full_state_dict().items())
-    return {"skipped": engine.skipped_steps, "unchanged": unchanged, "moved_after": moved,
+    return {"skipped": engine.skipped_steps, "unchanged": unchanged, "moved_after": moved, "lrs": lrs,
             "scale_before": scale_before, "scale_after": engine.loss_scale, "steps": engine.global_steps}
 
 
@@ -79,6 +86,8 @@ def test_fp16_overflow_on_one_rank_skips_on_all():
         assert r["unchanged"], "parameters changed on an overflowed step"
         assert r["moved_after"], "training did not resume after the skipped step"
         assert r["steps"] == 4  # skipped steps still count as global steps, like DeepSpeed
+        before, after_skip, after_next = r["lrs"]  # the schedule steps only when the optimizer does
+        assert after_skip == before < after_next, f"lr across the skipped step, then an applied one: {r['lrs']}"
     assert results[0]["scale_after"] == results[1]["scale_after"], "ranks disagree on the loss scale"
 
 
