@@ -15,10 +15,10 @@ import torch
 VOCAB, SEQ, SAMPLES = 96, 16, 64
 
 
-def gpt2_config():
+def gpt2_config(width: int = 64, layers: int = 2):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+    return GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=width, n_layer=layers, n_head=4, resid_pdrop=0.0,
                       embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="eager")
 
 

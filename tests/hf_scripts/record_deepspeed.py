@@ -6,7 +6,7 @@
 
 Each scenario runs on 2 ranks with `zeroshard launch --real-deepspeed` (torchrun, the
 installed DeepSpeed on its CPU accelerator; its first run builds DeepSpeed's CPU ops, which
-takes minutes). The printed JSON is what scenarios.DEEPSPEED holds.
+takes minutes). It prints one JSON line per scenario: what scenarios.DEEPSPEED holds.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def run(name: str) -> dict:
         proc = subprocess.run(cmd, cwd=work, env={**full_env, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
                               text=True, timeout=3600)
     if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        print(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}", file=sys.stderr)
+        return {"failed": True}
     row = json.JSONDecoder().raw_decode(proc.stdout.split("RESULT ", 1)[1])[0]
     return {k: v for k, v in row.items() if k in KEEP}
 
@@ -43,8 +44,9 @@ def main() -> None:
     import deepspeed
 
     names = sys.argv[1:] or list(SCENARIOS)
-    out = {"deepspeed": deepspeed.__version__, **{name: run(name) for name in names}}
-    print(json.dumps(out, indent=1))
+    print(json.dumps({"deepspeed": deepspeed.__version__}), flush=True)
+    for name in names:
+        print(json.dumps({name: run(name)}), flush=True)
 
 
 if __name__ == "__main__":

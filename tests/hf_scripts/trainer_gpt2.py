@@ -76,6 +76,9 @@ def main() -> None:
     p.add_argument("--ds-optimizer", action="store_true")
     p.add_argument("--resume-at", type=int, default=0)
     p.add_argument("--zero3-load", action="store_true")
+    p.add_argument("--time-steps", action="store_true", help="report each optimizer step's wall time (bench/)")
+    p.add_argument("--width", type=int, default=64, help="n_embd of the GPT-2 (bench/ uses larger)")
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     args = p.parse_args()
@@ -90,8 +93,11 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available())
     extra: dict = {}
     model = build_model(args, extra)
-    trainer = Trainer(model=model, args=targs, train_dataset=TokenDataset())
+    timer = step_timer()
+    trainer = Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=[timer] if args.time_steps else None)
     result = trainer.train()
+    if args.time_steps:
+        extra["step_seconds"] = timer.seconds
     extra["losses"] = logged_losses(trainer)
     extra["train_loss"] = result.training_loss
     extra["probe_loss"] = probe_loss(trainer.model_wrapped)
@@ -109,24 +115,44 @@ def main() -> None:
 def build_model(args, extra: dict):
     from transformers import GPT2LMHeadModel, set_seed
 
+    import deepspeed
     import torch.distributed as dist
 
     set_seed(0)
-    model = GPT2LMHeadModel(gpt2_config())  # built whole: a plain constructor call is not under zero.Init
+    model = GPT2LMHeadModel(gpt2_config(args.width, args.layers))  # whole: a constructor call is not under zero.Init
     if not args.zero3_load:
         return model
+    deepspeed.init_distributed()  # before zero.Init, as DeepSpeed needs on a machine without CUDA
     init_dir = os.path.join(args.out, "init")
     if dist.get_rank() == 0 and not os.path.isdir(init_dir):
         model.save_pretrained(init_dir)
     dist.barrier()
     model = GPT2LMHeadModel.from_pretrained(init_dir)  # under ZeRO-3: zero.Init, shards only
     extra["held_fraction"] = held_fraction(model)
-    import deepspeed
-
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         extra["loaded_probe_loss"] = probe_loss(model)
     model.train()
     return model
+
+
+def step_timer():
+    """A callback keeping each optimizer step's wall time (first micro-batch to the step's end)."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self._start = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self._start)
+
+    return StepTimer()
 
 
 def logged_losses(trainer) -> list[float]:
