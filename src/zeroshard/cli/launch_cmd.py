@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"zeroshard launch: {problem}", file=sys.stderr)
         return 2
-    print(served_line, file=sys.stderr)
+    print(served_line, flush=True)  # a notice, not an error: stdout
     extra_env = {**extra_env, **served_env}
     target = ["-m", args.script] if args.module else [args.script]
     return run_torchrun(torchrun_command(args, rank_target([*target, *args.script_args])), extra_env)

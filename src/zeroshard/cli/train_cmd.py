@@ -37,9 +37,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                                                   "(default: the Python standard library's source)")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="override zero_optimization.stage")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sample (default 64, or the model's context when shorter)")
     p.add_argument("--micro-batch", type=int, help="samples per rank per micro-step (default 8, or the config's)")
-    p.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R (peft) only")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="train LoRA adapters of rank R >= 1 (peft) only")
     p.add_argument("--bf16", action="store_true", help="train in bf16 with fp32 master weights")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                    help="cpu: optimizer states (and, at stage 3, parameter shards) on host memory (ZeRO-Offload); "
@@ -66,6 +68,7 @@ def check_train_args(args: argparse.Namespace) -> str | None:
     from zeroshard.cli.train_model import check_model
     from zeroshard.cli.train_resources import check_resource_log
 
+    resolve_defaults(args)
     if args.steps < 1:
         return f"--steps must be at least 1, got {args.steps}"
     if args.seq_len < 1:
@@ -91,16 +94,25 @@ def check_train_args(args: argparse.Namespace) -> str | None:
     return check_model(args.model, args.seq_len, args.lora) or _check_config(args) or check_data(args.data)
 
 
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Fill the options whose default depends on another (--seq-len on --model)."""
+    if args.seq_len is None:
+        from zeroshard.cli.train_model import default_seq_len
+
+        args.seq_len = default_seq_len(args.model)
+
+
 def _check_config(args: argparse.Namespace) -> str | None:
     from zeroshard.cli.train_config import build_config
+    from zeroshard.cli.train_prelaunch import check_settings
     from zeroshard.config import load_config
     from zeroshard.policies import ZeroShardError
 
     try:
-        load_config(build_config(args, ["Block"]), args.nproc * args.nnodes)
+        settings = load_config(build_config(args, ["Block"]), args.nproc * args.nnodes)
     except ZeroShardError as exc:
         return str(exc)
-    return None
+    return check_settings(settings, args.model, args.seq_len, args.nproc)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"zeroshard train: {problem}", file=sys.stderr)
         return 2
+    from zeroshard.cli.train_config import filled_from_default
+
+    for note in filled_from_default(args):
+        print(f"zeroshard train: {note}", flush=True)
     target = rank_target(["-m", "zeroshard.cli.train_worker", *worker_argv(args)])
     return run_torchrun(torchrun_command(args, target), command="zeroshard train",
                         describe_stop=lambda: last_checkpoint_line(args.save))
@@ -132,9 +148,10 @@ def last_checkpoint_line(save: str | None) -> str:
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """The training options again, for the worker's command line."""
     argv = ["--model", args.model, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-            "--seed", str(args.seed), "--lora", str(args.lora), "--save-every", str(args.save_every),
+            "--seed", str(args.seed), "--save-every", str(args.save_every),
             "--report", args.report, "--offload", args.offload]
     for flag, value in (("--config", args.config), ("--data", args.data), ("--stage", args.stage),
+                        ("--lora", args.lora),
                         ("--micro-batch", args.micro_batch), ("--save", args.save),
                         ("--resource-log", args.resource_log)):
         if value is not None:

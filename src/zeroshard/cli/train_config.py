@@ -55,14 +55,36 @@ def read_config(path: str) -> dict[str, Any]:
     return cfg
 
 
+def filled_from_default(args: argparse.Namespace) -> list[str]:
+    """What build_config took from the embedded config because --config was silent, as lines."""
+    if not args.config:
+        return []
+    user = read_config(args.config)
+    if "optimizer" in user:
+        return []
+    default = default_config(args.steps, 8, [])
+    opt = default["optimizer"]["params"]
+    took = (f"optimizer AdamW (lr {opt['lr']:g}, betas {tuple(opt['betas'])}, weight decay {opt['weight_decay']:g})")
+    if "scheduler" not in user:
+        sched = default["scheduler"]["params"]
+        took += f" with WarmupCosineLR ({sched['warmup_num_steps']} warm-up steps of {sched['total_num_steps']})"
+    return [f"{args.config} has no 'optimizer'; using the embedded config's {took} (add an 'optimizer' "
+            "section to choose another)"]
+
+
 def build_config(args: argparse.Namespace, unit_classes: list[str]) -> dict[str, Any]:
     """The config the engine gets: --config (or the default) with --stage, --micro-batch and
-    --bf16 applied.
+    --bf16 applied. A --config without `optimizer` takes the embedded optimizer and, when it
+    has no `scheduler` either, the embedded scheduler (`filled_from_default` says so).
 
     At stage 3 with no gather units named (`zeroshard.stage3_unit_classes`, or
     `stage3_min_unit_params` to pick by size), the model's transformer layers are named."""
     if args.config:
         cfg = read_config(args.config)
+        if "optimizer" not in cfg:  # the run needs one: the embedded recipe's, said at launch
+            default = default_config(args.steps, 8, unit_classes)
+            cfg["optimizer"] = default["optimizer"]
+            cfg.setdefault("scheduler", default["scheduler"])
     else:
         cfg = default_config(args.steps, args.micro_batch or 8, unit_classes)
     zero = cfg.setdefault("zero_optimization", {})

@@ -26,7 +26,8 @@ from zeroshard.models.hf import (
     load_causal_lm_config,
 )
 
-__all__ = ["ModelSpecError", "TrainModel", "build_model", "check_model", "model_choices"]
+__all__ = ["ModelSpecError", "TrainModel", "build_model", "check_model", "default_seq_len", "model_choices",
+           "model_shape"]
 
 
 def model_choices() -> str:
@@ -66,9 +67,10 @@ def check_model(spec: str, seq_len: int, lora: int) -> str | None:
             context = GPT_PRESETS[_preset(spec)].block_size
         else:
             return f"--model {spec}: unknown; choose {model_choices()}"
-        if lora:
+        if lora is not None:
             if lora < 1:
-                return f"--lora {lora}: the adapter rank must be at least 1"
+                return (f"--lora {lora}: the adapter rank must be at least 1 (leave out --lora to train every "
+                        "parameter)")
             try:
                 import peft  # noqa: F401
             except ImportError:
@@ -78,6 +80,32 @@ def check_model(spec: str, seq_len: int, lora: int) -> str | None:
     if context is not None and seq_len > context:
         return f"--seq-len {seq_len} exceeds the model's context ({context} positions)"
     return None
+
+
+def model_shape(spec: str) -> dict[str, int] | None:
+    """hidden, heads, layers, vocab and context of the model `spec` names (no weights built), or None."""
+    try:
+        if spec.startswith("hf:"):
+            c = load_causal_lm_config(spec[3:])
+            values = {"hidden": getattr(c, "hidden_size", None), "heads": getattr(c, "num_attention_heads", None),
+                      "layers": getattr(c, "num_hidden_layers", None), "vocab": getattr(c, "vocab_size", None),
+                      "context": context_length(c)}
+        elif _preset(spec):
+            c = GPT_PRESETS[_preset(spec)]
+            values = {"hidden": c.n_embd, "heads": c.n_head, "layers": c.n_layer, "vocab": c.vocab_size,
+                      "context": c.block_size}
+        else:
+            return None
+    except ModelSpecError:
+        return None
+    return values if all(isinstance(values[k], int) for k in ("hidden", "heads", "layers", "vocab")) else None
+
+
+def default_seq_len(spec: str, wanted: int = 64) -> int:
+    """`wanted`, or the model's context when that is shorter (`tiny` covers 16 positions)."""
+    shape = model_shape(spec)
+    context = shape.get("context") if shape else None
+    return min(wanted, context) if isinstance(context, int) and context > 0 else wanted
 
 
 def build_model(spec: str, lora: int = 0) -> TrainModel:

@@ -112,4 +112,4 @@ def describe(resumed: Resumed, steps: int) -> str:
 
 def client_state(step: int, losses: list[float], args: argparse.Namespace) -> dict[str, Any]:
     """What each checkpoint of `zeroshard train` carries for the next resume."""
-    return {"step": step, "losses": losses, "model": args.model, "lora": args.lora}
+    return {"step": step, "losses": losses, "model": args.model, "lora": args.lora or 0}

@@ -38,6 +38,9 @@ def train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
+    from zeroshard.cli.train_cmd import resolve_defaults
+
+    resolve_defaults(args)
     torch.manual_seed(args.seed)
     tm = build_model(args.model, args.lora)
     if tm.context is not None and args.seq_len > tm.context:

@@ -95,13 +95,30 @@ def check_path(nvme_path: str | None) -> str:
         raise NvmeError("offload device 'nvme' needs nvme_path: set offload_optimizer.nvme_path / "
                         "offload_param.nvme_path (or --nvme-path) to a directory on a fast local drive")
     path = os.path.abspath(os.path.expanduser(nvme_path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NvmeError(f"nvme_path {path!r} is a file, not a directory; point nvme_path at a directory on the "
+                        "NVMe drive")
     if not os.path.isdir(path):
-        raise NvmeError(f"nvme_path {path!r} does not exist or is not a directory; create it (mkdir -p {path}) "
-                        "or point nvme_path at an existing directory on the NVMe drive")
+        parent = os.path.dirname(path)
+        fix = (f"create it (mkdir -p {path})" if _creatable(parent)
+               else f"choose a directory on a writable drive ({parent} cannot hold one)")
+        raise NvmeError(f"nvme_path {path!r} does not exist; {fix}, or point nvme_path at an existing directory "
+                        "on the NVMe drive")
     if not os.access(path, os.W_OK | os.X_OK):
         raise NvmeError(f"nvme_path {path!r} is not writable by this user; fix its permissions or choose "
                         "another directory")
     return path
+
+
+def _creatable(parent: str) -> bool:
+    """Whether `mkdir -p` under `parent` could work: its nearest existing folder is writable and
+    not a kernel filesystem (/proc, /sys)."""
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    real = os.path.realpath(parent or "/")
+    if real == "/proc" or real.startswith(("/proc/", "/sys/")) or real == "/sys":
+        return False
+    return os.path.isdir(real) and os.access(real, os.W_OK | os.X_OK)
 
 
 def check_space(folder: str, need: int, sharers: int = 1) -> str:

@@ -1,0 +1,91 @@
+"""What `zeroshard train` checks in the launcher, once, before any rank starts.
+
+Each check returns one line naming the problem and the fix, or None; the launcher prints it
+and exits 2. The ranks check the same things again (a user's own torchrun skips this
+file), so these checks only move errors earlier, never change what is accepted:
+
+- the optimizer's hyper-parameters, by building it over one element (torch's own checks);
+- NVMe paths: a directory this user can write, on a real filesystem;
+- the batch against the host's memory: the estimator's activation peak for one micro-batch
+  of the model (no weights built), times the local ranks, against the memory available.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from zeroshard.policies import ZeroShardError
+
+__all__ = ["check_settings", "available_memory"]
+
+
+def check_settings(settings, spec: str, seq_len: int, local_ranks: int) -> str | None:
+    for check in (_check_optimizer, _check_nvme):
+        problem = check(settings)
+        if problem:
+            return problem
+    return _check_batch_memory(settings, spec, seq_len, local_ranks)
+
+
+def _check_optimizer(settings) -> str | None:
+    if settings.optimizer is None:
+        return None
+    import torch
+
+    from zeroshard.optim.factory import build_optimizer
+
+    try:
+        build_optimizer(settings.optimizer, [torch.zeros(1, requires_grad=True)])
+    except ZeroShardError as exc:
+        return str(exc)
+    return None
+
+
+def _check_nvme(settings) -> str | None:
+    from zeroshard.offload.nvme import check_path
+
+    for policy in (settings.zero.offload_optimizer, settings.zero.offload_param):
+        if getattr(policy.device, "value", policy.device) == "nvme":
+            try:
+                check_path(policy.nvme_path)
+            except ZeroShardError as exc:
+                return str(exc)
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new allocation can use (MemAvailable), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _shape(spec: str) -> dict[str, Any] | None:
+    from zeroshard.cli.train_model import model_shape
+
+    return model_shape(spec)
+
+
+def _check_batch_memory(settings, spec: str, seq_len: int, local_ranks: int) -> str | None:
+    shape = _shape(spec)
+    free = available_memory()
+    if shape is None or free is None:
+        return None
+    from zeroshard.estimate.activations import activation_bytes
+
+    micro = settings.batch.micro_batch_size
+    act_bytes = settings.precision.compute.dtype.itemsize
+    need = activation_bytes(seq_len, micro, shape["hidden"], shape["heads"], shape["layers"], shape["vocab"],
+                            flash_attention=False, act_bytes=act_bytes).total * local_ranks
+    if need > free:
+        fits = max(1, int(micro * free / need))
+        return (f"train_micro_batch_size_per_gpu {micro:,} needs about {need / 2**30:,.1f} GiB of activations on "
+                f"this host ({local_ranks} local rank(s)), more than the {free / 2**30:.1f} GiB available; use a "
+                f"micro-batch of at most {fits:,} (--micro-batch), a shorter --seq-len, or more ranks")
+    return None
