@@ -156,4 +156,4 @@ def test_train_options_are_frozen():
     assert options == {"-h", "--help", "--config", "--model", "--data", "--stage", "--steps", "--seq-len",
                        "--micro-batch", "--lora", "--bf16", "--save", "--save-every", "--resume", "--report",
                        "--seed", "--offload", "--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                       "--max-restarts", "--reload-checkpoints", "--resource-log", "--nvme-path"}
+                       "--max-restarts", "--reload-checkpoints", "--resource-log", "--nvme-path", "--keep-last"}

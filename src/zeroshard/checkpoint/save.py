@@ -81,6 +81,8 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     record: dict[str, Any] = {}
     try:
         part = rank_file(ts, table, pause)
+        check_space(save_dir, sum(e.nbytes for e in (*part.entries, *part.optim_entries)),
+                    ts.comm.topology.local_world_size)
         files = {}
         for entries, field in ((part.entries, "value"), (part.optim_entries, "optim")):
             name = rank_file_name(ts.rank, field)
@@ -109,6 +111,23 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
             shutil.rmtree(tmp, ignore_errors=True)
     agree(ts.comm, error, device, "saving checkpoint")
     return os.path.join(save_dir, tag)
+
+
+SPACE_SLACK = 1 << 20  # safetensors headers and meta.json
+
+
+def check_space(save_dir: str, nbytes: int, sharers: int) -> None:
+    """CheckpointError unless `save_dir`'s disk can take `nbytes` from each of `sharers` ranks
+    (this node's ranks write there together), checked before the first byte is written so a
+    full disk never costs the previous checkpoint."""
+    free = shutil.disk_usage(save_dir).free
+    need = nbytes * max(1, sharers) + SPACE_SLACK
+    if need > free:
+        raise CheckpointError(
+            f"{save_dir}: no space left for this checkpoint: it needs {need / 2**20:,.1f} MiB ({nbytes / 2**20:,.1f} "
+            f"MiB x {sharers} local rank(s) + {SPACE_SLACK >> 20} MiB) and the disk has {free / 2**20:,.1f} MiB free; "
+            "nothing was written and the previous checkpoint is intact: free space, keep fewer checkpoints "
+            "(--keep-last N / keep_last=N), or save elsewhere")
 
 
 def _prepare(save_dir: str, tmp: str) -> None:

@@ -49,6 +49,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-path", metavar="DIR", help="with --offload nvme: a directory on a fast local drive")
     p.add_argument("--save", metavar="DIR", help="write a checkpoint to DIR every --save-every steps and at the end")
     p.add_argument("--save-every", type=int, default=100, metavar="K", help="steps between checkpoints (default 100)")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints in --save DIR (default: keep every one)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --save DIR, an error if there is none (a run "
                         "whose --save DIR holds a checkpoint continues from it even without --resume)")
@@ -77,6 +79,11 @@ def check_train_args(args: argparse.Namespace) -> str | None:
         return f"--micro-batch must be at least 1, got {args.micro_batch}"
     if args.save_every < 1:
         return f"--save-every must be at least 1, got {args.save_every}"
+    if args.keep_last is not None:
+        if args.keep_last < 1:
+            return f"--keep-last must be at least 1, got {args.keep_last}"
+        if not args.save:
+            return "--keep-last N prunes the checkpoints --save DIR writes: give --save"
     if args.resume:
         if not args.save:
             return "--resume continues from --save DIR: give the checkpoint folder with --save"
@@ -151,7 +158,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
             "--seed", str(args.seed), "--save-every", str(args.save_every),
             "--report", args.report, "--offload", args.offload]
     for flag, value in (("--config", args.config), ("--data", args.data), ("--stage", args.stage),
-                        ("--lora", args.lora),
+                        ("--lora", args.lora), ("--keep-last", args.keep_last),
                         ("--micro-batch", args.micro_batch), ("--save", args.save),
                         ("--resource-log", args.resource_log)):
         if value is not None:

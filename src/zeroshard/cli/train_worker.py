@@ -119,7 +119,8 @@ def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, ever
                     line = memory_line(step + 1, args.steps, total, engine, per_rank, rec.last_comm, rec.phi)
                     progress.console.print(line, highlight=False, soft_wrap=True)
             if args.save and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-                path = engine.save_checkpoint(args.save, client_state=client_state(step + 1, rec.losses, args))
+                path = engine.save_checkpoint(args.save, client_state=client_state(step + 1, rec.losses, args),
+                                              keep_last=getattr(args, "keep_last", None))
                 if engine.rank == 0:
                     progress.console.print(f"checkpoint: {path}", highlight=False)
                 if getattr(args, "reload_checkpoints", False):
