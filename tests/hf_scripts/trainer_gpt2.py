@@ -10,9 +10,8 @@ trained model on a fixed batch.
   own optimizer and scheduler sections instead of Trainer's), --save-model (save_model to
   OUT/final), --zero3-load (save the seeded model to OUT/init, then build it with
   from_pretrained after TrainingArguments: under ZeRO-3 the zero.Init loading path, each
-  rank holding only its shards), --resume-at N (save a checkpoint
-  at step N, then train a second Trainer with resume_from_checkpoint=OUT/checkpoint-N to
-  the end: its losses must be the first one's after step N).
+  rank holding only its shards), --save-steps N (a checkpoint every N steps),
+  --resume DIR (resume_from_checkpoint=DIR; the losses reported are those after it).
 """
 
 from __future__ import annotations
@@ -74,7 +73,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-model", action="store_true")
     p.add_argument("--ds-optimizer", action="store_true")
-    p.add_argument("--resume-at", type=int, default=0)
+    p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--resume", default=None)
     p.add_argument("--zero3-load", action="store_true")
     p.add_argument("--time-steps", action="store_true", help="report each optimizer step's wall time (bench/)")
     p.add_argument("--width", type=int, default=64, help="n_embd of the GPT-2 (bench/ uses larger)")
@@ -88,26 +88,22 @@ def main() -> None:
     targs = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=args.gas,
         max_steps=args.steps, learning_rate=2e-3, warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0,
-        logging_steps=1, save_strategy="steps" if args.resume_at else "no", save_steps=args.resume_at or 500,
+        logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, deepspeed=ds_config(args),
         use_cpu=not torch.cuda.is_available())
     extra: dict = {}
     model = build_model(args, extra)
-    timer = step_timer()
-    trainer = Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=[timer] if args.time_steps else None)
-    result = trainer.train()
+    timer = step_timer()  # also counts the steps this run takes (a resumed run logs the earlier ones too)
+    trainer = Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=[timer])
+    result = trainer.train(resume_from_checkpoint=args.resume)
     if args.time_steps:
         extra["step_seconds"] = timer.seconds
-    extra["losses"] = logged_losses(trainer)
+    extra["losses"] = logged_losses(trainer)[-len(timer.seconds):] if timer.seconds else []
+    extra["first_step"] = trainer.state.global_step - len(timer.seconds) + 1
     extra["train_loss"] = result.training_loss
     extra["probe_loss"] = probe_loss(trainer.model_wrapped)
     if args.save_model:
         trainer.save_model(os.path.join(args.out, "final"))
-    if args.resume_at:
-        again = Trainer(model=build_model(args, {}), args=targs, train_dataset=TokenDataset())
-        again.train(resume_from_checkpoint=os.path.join(args.out, f"checkpoint-{args.resume_at}"))
-        extra["resumed_losses"] = logged_losses(again)[-(args.steps - args.resume_at):]
-        extra["resumed_probe_loss"] = probe_loss(again.model_wrapped)
     if trainer.is_world_process_zero():
         report(**extra)
 
