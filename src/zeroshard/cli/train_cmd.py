@@ -15,7 +15,7 @@ import sys
 
 from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, rank_target, \
     run_torchrun, torchrun_command
-from zeroshard.cli.train_model import model_choices
+from zeroshard.models.presets import model_choices
 
 REPORT_DEFAULT = "zeroshard_train_report.png"
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard.models import GPT_PRESETS, build_gpt
+from zeroshard.models import build_gpt
+from zeroshard.models.presets import GPT_PRESETS, model_choices
 from zeroshard.models.hf import (
     GPT_LORA_TARGETS,
     ModelSpecError,
@@ -28,10 +29,6 @@ from zeroshard.models.hf import (
 
 __all__ = ["ModelSpecError", "TrainModel", "build_model", "check_model", "default_seq_len", "model_choices",
            "model_shape"]
-
-
-def model_choices() -> str:
-    return "|".join(sorted(GPT_PRESETS)) + "|hf:PATH/config.json"
 
 
 @dataclass

@@ -21,38 +21,16 @@ C = n_embd, L = n_layer, with biases: V*C + T*C + L*(12*C*C + 13*C) + 2*C.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zeroshard.models.presets import GPT_PRESETS, GPTConfig
+
 __all__ = ["GPTConfig", "GPT", "Block", "GPT_PRESETS", "build_gpt", "num_parameters"]
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int
-    block_size: int  # longest sequence the position embedding covers
-    n_layer: int
-    n_head: int
-    n_embd: int
-    dropout: float = 0.0
-    bias: bool = True
-
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
-
-
-GPT_PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32),
-    "mini": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128),
-    "small": GPTConfig(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_embd=384),
-    "50m": GPTConfig(vocab_size=256, block_size=256, n_layer=8, n_head=11, n_embd=704),
-    "150m": GPTConfig(vocab_size=256, block_size=256, n_layer=12, n_head=16, n_embd=1024),
-}
-GPT_PRESETS["10m"] = GPT_PRESETS["small"]  # the benchmark sizes are 10m / 50m / 150m
 
 
 class CausalSelfAttention(nn.Module):

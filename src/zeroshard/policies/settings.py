@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 
 class Stage(enum.IntEnum):
@@ -28,6 +30,8 @@ class Precision(str, enum.Enum):
 
     @property
     def dtype(self) -> torch.dtype:
+        import torch  # here, so the command line can read settings before it imports torch
+
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
 
     @classmethod
