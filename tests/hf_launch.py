@@ -22,7 +22,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def launch(script: str, args: list[str], cwd, timeout: float = 240, flags: tuple[str, ...] = (),
            env: dict[str, str] | None = None) -> tuple[dict, str]:
-    """(rank 0's RESULT, the launcher's stderr)."""
+    """(rank 0's RESULT, everything the launch printed)."""
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc", "2", *flags,
            os.path.join(SCRIPTS, script), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=clean_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
@@ -30,4 +30,4 @@ def launch(script: str, args: list[str], cwd, timeout: float = 240, flags: tuple
     rows = [json.JSONDecoder().raw_decode(part)[0] for part in proc.stdout.split("RESULT ")[1:]
             if part.startswith("{")]
     assert len(rows) == 1, f"{script}: expected one RESULT line, got {len(rows)}:\n{proc.stdout[-3000:]}"
-    return rows[0], proc.stderr
+    return rows[0], proc.stdout + proc.stderr
