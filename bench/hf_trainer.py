@@ -7,10 +7,14 @@ config, Trainer's AdamW) on 2 ranks with `zeroshard launch` (zeroshard serves `i
 deepspeed`) and with `zeroshard launch --real-deepspeed` under `--deepspeed-python` (a
 Python where DeepSpeed is installed, e.g. a venv made with --system-site-packages), at
 stages 2 and 3, the two systems alternating within each round. Each optimizer step's wall
-time comes from a Trainer callback on rank 0 (first micro-batch to the step's end); the
-first `--warmup` steps of each run are left out. Prints a markdown table: median over the
-clean steps of all rounds, the spread (min-max of the per-round medians, and the
-10th-90th percentile of all clean steps), and zeroshard / DeepSpeed.
+time comes from a Trainer callback on rank 0 (first micro-batch to the step's end), with
+the CPU cores other programs used meanwhile (the machine's busy time from /proc/stat less
+both ranks' CPU time); the first `--warmup` steps of each run are left out, and so is any
+step during which other programs used more than 0.25 cores (a *clean* step is one they
+did not; a system with fewer than 3 clean steps in all keeps all its steps, and the table
+says so). Prints a markdown table: median over the clean steps of all rounds, the spread
+(min-max of the per-round medians, and the 10th-90th percentile of the clean steps), the
+clean / measured step counts, and zeroshard / DeepSpeed.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "hf_scripts", "trainer_gpt2.py")
 
 
-def run_once(python: str, real: bool, stage: int, args) -> list[float]:
+LOAD_LIMIT = 0.25  # other programs' CPU cores above which a step is contended
+
+
+def run_once(python: str, real: bool, stage: int, args) -> tuple[list[float], list[float]]:
     with tempfile.TemporaryDirectory() as work:
         cmd = [python, "-m", "zeroshard.cli.main", "launch", "--nproc", "2", *(["--real-deepspeed"] if real else []),
                SCRIPT, "--stage", str(stage), "--steps", str(args.steps), "--time-steps", "--width", str(args.width),
@@ -38,7 +45,7 @@ def run_once(python: str, real: bool, stage: int, args) -> list[float]:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     row = json.JSONDecoder().raw_decode(proc.stdout.split("RESULT ", 1)[1])[0]
-    return row["step_seconds"][args.warmup:]
+    return row["step_seconds"][args.warmup:], row["other_cores"][args.warmup:]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -58,14 +65,19 @@ def main() -> None:
     args = p.parse_args()
     stages = [int(s) for s in args.stages.split(",")]
     times: dict[tuple[str, int], list[list[float]]] = {}
+    measured: dict[tuple[str, int], int] = {}
     for r in range(args.rounds):
         for stage in stages:
             order = [("zeroshard", sys.executable, False), ("deepspeed", args.deepspeed_python, True)]
             for name, python, real in (order if r % 2 == 0 else order[::-1]):
-                steps = run_once(python, real, stage, args)
-                times.setdefault((name, stage), []).append(steps)
+                steps, other = run_once(python, real, stage, args)
+                clean = [t for t, load in zip(steps, other) if load < LOAD_LIMIT]
+                times.setdefault((name, stage), []).append(clean)
+                key = (name, stage)
+                measured[key] = measured.get(key, 0) + len(steps)
+                times.setdefault(("all", name, stage), []).append(steps)
                 print(f"round {r + 1} stage {stage} {name}: median {statistics.median(steps):.4f} s over "
-                      f"{len(steps)} steps", file=sys.stderr, flush=True)
+                      f"{len(steps)} steps, {len(clean)} clean", file=sys.stderr, flush=True)
     print(f"GPT-2 n_embd {args.width}, {args.layers} layers, micro-batch 4 x 2 ranks, {args.steps} steps "
           f"({args.warmup} warm-up steps left out), {args.rounds} round(s)\n")
     print("| stage | zeroshard s/step | DeepSpeed s/step | zeroshard / DeepSpeed |")
@@ -76,10 +88,16 @@ def main() -> None:
         for name in ("zeroshard", "deepspeed"):
             runs = times[(name, stage)]
             flat = [t for run in runs for t in run]
+            note = f"{len(flat)}/{measured[(name, stage)]} clean"
+            if len(flat) < 3:
+                runs = times[("all", name, stage)]
+                flat = [t for run in runs for t in run]
+                note = "too few clean steps: all steps"
+            runs = [run for run in runs if run] or runs
             medians[name] = statistics.median(flat)
             per_round = [statistics.median(run) for run in runs]
             cells.append(f"{medians[name]:.4f} (rounds {min(per_round):.4f}-{max(per_round):.4f}; "
-                         f"p10-p90 {percentile(flat, 0.1):.4f}-{percentile(flat, 0.9):.4f})")
+                         f"p10-p90 {percentile(flat, 0.1):.4f}-{percentile(flat, 0.9):.4f}; {note})")
         print(f"| {stage} | {cells[0]} | {cells[1]} | {medians['zeroshard'] / medians['deepspeed']:.2f} |")
 
 

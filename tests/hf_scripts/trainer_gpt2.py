@@ -93,11 +93,11 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available())
     extra: dict = {}
     model = build_model(args, extra)
-    timer = step_timer()  # also counts the steps this run takes (a resumed run logs the earlier ones too)
+    timer = step_timer(args.time_steps)  # also counts the steps this run takes (a resumed run logs the earlier ones too)
     trainer = Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=[timer])
     result = trainer.train(resume_from_checkpoint=args.resume)
     if args.time_steps:
-        extra["step_seconds"] = timer.seconds
+        extra["step_seconds"], extra["other_cores"] = timer.seconds, timer.other_cores
     extra["losses"] = logged_losses(trainer)[-len(timer.seconds):] if timer.seconds else []
     extra["first_step"] = trainer.state.global_step - len(timer.seconds) + 1
     extra["train_loss"] = result.training_loss
@@ -131,22 +131,42 @@ def build_model(args, extra: dict):
     return model
 
 
-def step_timer():
-    """A callback keeping each optimizer step's wall time (first micro-batch to the step's end)."""
+def step_timer(measure_load: bool):
+    """A callback keeping each optimizer step's wall time (first micro-batch to the step's end)
+    and how many CPU cores other programs used meanwhile: the machine's busy time (/proc/stat)
+    less both ranks' own CPU time, summed over the ranks after the step's clock stopped."""
     import time
 
+    import torch.distributed as dist
     from transformers import TrainerCallback
+
+    def busy_seconds() -> float:
+        try:
+            with open("/proc/stat") as fh:
+                fields = [int(v) for v in fh.readline().split()[1:]]
+        except (OSError, ValueError):
+            return float("nan")
+        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
-            self._start = 0.0
+            self.other_cores: list[float] = []
+            self._start = self._cpu = self._busy = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
+            self._busy, self._cpu, self._start = busy_seconds(), time.process_time(), time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self._start)
+            wall = time.perf_counter() - self._start
+            cpu, busy = time.process_time() - self._cpu, busy_seconds() - self._busy
+            self.seconds.append(wall)
+            if not measure_load:
+                return
+            mine = torch.tensor([cpu])
+            if dist.is_initialized():
+                dist.all_reduce(mine)
+            self.other_cores.append(max(0.0, busy - float(mine)) / wall)
 
     return StepTimer()
 
