@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zeroshard
+from zeroshard.checkpoint.format import dumps, seal_meta
 from zeroshard.checkpoint import files as ckpt_files
 from zeroshard.checkpoint import inspect
 from zeroshard.models import FrozenMLP, GPTConfig, build_gpt
@@ -157,7 +158,7 @@ def test_pickle_files_are_refused_without_running_them(saved, tmp_path):
     for blob in (payload, torch_payload.read_bytes()):
         (tag / RANK0).write_bytes(blob)
         meta["files"][RANK0].update(bytes=len(blob), sha256=ckpt_files.sha256_of(str(tag / RANK0)))
-        (tag / "meta.json").write_text(json.dumps(meta))
+        (tag / "meta.json").write_bytes(dumps(seal_meta(meta)))  # its checksum forged too
         msg = load_error(root)
         assert RANK0 in msg and "not a readable safetensors file" in msg, msg
     (tag / "meta.json").write_bytes(payload)

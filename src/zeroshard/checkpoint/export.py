@@ -16,13 +16,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from typing import Any, Callable
 
 import torch
 
 from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
-from zeroshard.checkpoint.files import Entry, write_safetensors, write_small
+from zeroshard.checkpoint.files import Entry, WriteError, write_safetensors, write_small
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.snapshot import model_config
 from zeroshard.policies import CheckpointError, Stage
@@ -65,23 +67,42 @@ def write_model(out_dir: str, entries: list[Entry], max_shard_size: int | str,
                 model_config: dict[str, Any] | None) -> list[str]:
     """Write `entries` as HF-style safetensors (and config.json); returns the files written."""
     groups = plan_files(entries, parse_size(max_shard_size))
-    os.makedirs(out_dir, exist_ok=True)
-    names = [SINGLE] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    for name, group in zip(names, groups):
-        path = os.path.join(out_dir, name)
-        write_safetensors(path + ".tmp", group, {"format": "pt"})
-        os.replace(path + ".tmp", path)
-    written = list(names)
-    if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                 "weight_map": {e.key: name for name, group in zip(names, groups) for e in group}}
-        write_small(os.path.join(out_dir, INDEX), json.dumps(index, indent=2).encode())
-        written.append(INDEX)
-    if model_config is not None:
-        write_small(os.path.join(out_dir, "config.json"), json.dumps(model_config, indent=2).encode())
-        written.append("config.json")
+    staging = _staging_dir(out_dir)
+    try:
+        names = [SINGLE] if len(groups) == 1 else [
+            f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        for name, group in zip(names, groups):
+            write_safetensors(os.path.join(staging, name), group, {"format": "pt"})
+        written = list(names)
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                     "weight_map": {e.key: name for name, group in zip(names, groups) for e in group}}
+            write_small(os.path.join(staging, INDEX), json.dumps(index, indent=2).encode())
+            written.append(INDEX)
+        if model_config is not None:
+            write_small(os.path.join(staging, "config.json"), json.dumps(model_config, indent=2).encode())
+            written.append("config.json")
+        for name in written:  # every file complete: only now do they enter OUT
+            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    except (OSError, WriteError) as exc:
+        reason = exc.reason if isinstance(exc, WriteError) else (exc.strerror or str(exc))
+        raise CheckpointError(f"{out_dir}: cannot write the export ({reason}); nothing was left there") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return written
+
+
+def _staging_dir(out_dir: str) -> str:
+    """A fresh folder inside `out_dir` (made if needed) where the files are written before they
+    are moved into place, or one CheckpointError naming what is wrong with `out_dir`."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"{out_dir}: is a file, not a directory; give a directory for the export")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        return tempfile.mkdtemp(prefix=".zeroshard-export-", dir=out_dir)
+    except OSError as exc:
+        raise CheckpointError(f"{out_dir}: cannot create the export directory ({exc.strerror or exc}); choose a "
+                              "writable directory") from None
 
 
 def _config_for(config: dict[str, Any] | None, dtype: torch.dtype, architecture: str | None) -> dict | None:

@@ -152,11 +152,20 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_error(path: str, exc: OSError) -> CheckpointError:
+class WriteError(CheckpointError):
+    """A file could not be written; `reason` is the system's word for why."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def write_error(path: str, exc: OSError) -> WriteError:
     if exc.errno == errno.ENOSPC:
-        return CheckpointError(f"{path}: no space left on the device while writing the checkpoint; "
-                               "free space or save elsewhere (the previous checkpoint is intact)")
-    return CheckpointError(f"{path}: cannot write ({exc.strerror or exc}); the previous checkpoint is intact")
+        return WriteError(f"{path}: no space left on the device while writing the checkpoint; "
+                          "free space or save elsewhere (the previous checkpoint is intact)", "no space left on the device")
+    reason = str(exc.strerror or exc)
+    return WriteError(f"{path}: cannot write ({reason}); the previous checkpoint is intact", reason)
 
 
 def sha256_of(path: str) -> str:

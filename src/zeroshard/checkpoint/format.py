@@ -189,6 +189,24 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=False, allow_nan=True).encode()
 
 
+META_SHA256 = "meta_sha256"
+
+
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """sha256 of `meta` as written, without its own checksum key. JSON written by `dumps`
+    reads back to the same bytes, so the sum can be checked on every read."""
+    import hashlib
+
+    return hashlib.sha256(dumps({k: v for k, v in meta.items() if k != META_SHA256})).hexdigest()
+
+
+def seal_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with its checksum (the last key): an edit by hand is then seen on every read."""
+    sealed = {k: v for k, v in meta.items() if k != META_SHA256}
+    sealed[META_SHA256] = meta_checksum(sealed)
+    return sealed
+
+
 def train_state_of(obj):
     """The `TrainState` checkpoints read: an Engine's, or one given directly."""
     return getattr(obj, "train_state", obj)

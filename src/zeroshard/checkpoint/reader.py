@@ -22,11 +22,13 @@ from zeroshard.checkpoint.format import (
     FORMAT,
     LATEST,
     META,
+    META_SHA256,
     OLD_PREFIX,
     VERSION,
     BucketRecord,
     SlotRecord,
     bucket_key,
+    meta_checksum,
     module_key,
     rank_file,
 )
@@ -74,6 +76,10 @@ def read_meta(tag_dir: str) -> dict[str, Any]:
     if int(meta.get("version", 0)) > VERSION:
         raise CheckpointError(f"{path}: format version {meta['version']} is newer than this zeroshard "
                               f"reads ({VERSION}); upgrade zeroshard")
+    recorded = meta.get(META_SHA256)  # checkpoints written before the checksum have none
+    if recorded is not None and recorded != meta_checksum(meta):
+        raise CheckpointError(f"{path}: its checksum does not match its contents: the file was edited or damaged "
+                              "after the save; restore it from a copy, or use another checkpoint")
     return meta
 
 

@@ -39,6 +39,7 @@ from zeroshard.checkpoint.format import (
     dumps,
     json_safe,
     rank_file as rank_file_name,
+    seal_meta,
 )
 from zeroshard.checkpoint.snapshot import JSON, model_config, name_table_of, rank_file
 from zeroshard.policies import CheckpointError
@@ -182,7 +183,7 @@ def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> d
 
 
 def _commit(save_dir: str, tmp: str, tag: str, meta: dict[str, Any], keep_last: int | None) -> None:
-    write_small(os.path.join(tmp, META), dumps(meta))
+    write_small(os.path.join(tmp, META), dumps(seal_meta(meta)))
     fsync_dir(tmp)
     pause("written")
     final, old = os.path.join(save_dir, tag), os.path.join(save_dir, OLD_PREFIX + tag)
