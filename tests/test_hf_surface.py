@@ -254,3 +254,19 @@ def test_set_z3_leaf_modules_makes_gather_units():
                                         for u in engine.zeroshard.units)
     with pytest.raises(ValueError, match="No modules of type"):
         set_z3_leaf_modules(model, [nn.Conv2d])
+
+
+def test_opting_in_outside_the_launcher(tmp_path):
+    """`python -m zeroshard.deepspeed.shadow script.py ARGS` serves `deepspeed` to one script
+    (and, through PYTHONPATH, to what it starts); `--path` prints the folder to put on PYTHONPATH."""
+    script = tmp_path / "probe.py"
+    script.write_text("import sys, importlib.metadata as m, deepspeed, zeroshard.deepspeed as z\n"
+                      "print('OK', m.version('deepspeed'), deepspeed is z, sys.argv[1:], __name__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-m", "zeroshard.deepspeed.shadow", str(script), "--flag", "x"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"OK {SERVED_VERSION} True ['--flag', 'x'] __main__" in out.stdout
+    path = subprocess.run([sys.executable, "-m", "zeroshard.deepspeed.shadow", "--path"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert path.stdout.strip() == SHADOW_DIR
