@@ -29,8 +29,7 @@ def _missing(names: list[str], rows: dict) -> dict | None:
 
 
 def _memory(rows: dict, bf16: bool) -> dict[str, Any]:
-    q = {"question": "ZeRO 的三个阶段分别分片了什么？各能节省多少显存？ (what does each stage shard, and how much "
-                     "memory does it save?)",
+    q = {"question": "What does each ZeRO stage shard, and how much memory does it save?",
          "claim": "per rank 2Phi+2Phi+K*Phi (DP), K*Phi/N more sharded at stage 1, gradients at 2, parameters at 3"}
     stages = [f"zs{k}" for k in range(4) if f"zs{k}" in rows]
     if not stages:
@@ -57,8 +56,8 @@ def _memory(rows: dict, bf16: bool) -> dict[str, Any]:
 
 
 def _comm(rows: dict) -> dict[str, Any]:
-    q = {"question": "ZeRO-1 增加了一次参数 All-Gather，总通信量变为 3Φ？ZeRO-3 的通信量比 DP 大约多多少？ (communication "
-                     "per stage)",
+    q = {"question": "Does ZeRO-1 add a parameter all-gather, making its traffic 3Φ? How much more does ZeRO-3 send "
+                     "than DP?",
          "claim": "ZeRO-1 adds an all-gather: 3 Phi; ZeRO-2 about 3 Phi; ZeRO-3 3 Phi (1.5x DP)"}
     stages = [f"zs{k}" for k in range(4) if f"zs{k}" in rows]
     if not stages:
@@ -102,7 +101,7 @@ def _ratio_text(rows: dict, a: str, b: str) -> float:
 
 
 def _offload(rows: dict, cuda: bool) -> dict[str, Any]:
-    q = {"question": "ZeRO-Offload 把优化器状态放到 CPU，会带来多少速度下降？ (the price of offload)",
+    q = {"question": "How much slower is ZeRO-Offload, with the optimizer states on the CPU?",
          "claim": "typically 20-50 % slower (GPU + PCIe)"}
     pairs = [(f"zs{k}_offload", f"zs{k}") for k in (2, 3) if f"zs{k}_offload" in rows and f"zs{k}" in rows]
     if not pairs:
@@ -130,8 +129,7 @@ def _grad_peak(row: dict) -> int:
 
 
 def _overlap(rows: dict) -> dict[str, Any]:
-    q = {"question": "在 DeepSpeed 中，overlap_comm 和 contiguous_gradients 对显存有何影响？ (what overlap_comm and "
-                     "contiguous_gradients change)",
+    q = {"question": "What do DeepSpeed's overlap_comm and contiguous_gradients do to memory?",
          "claim": "overlap_comm adds buffers of 1-2x the gradient size; contiguous_gradients one gradient-sized copy"}
     variants = [(n, k) for n, k in (("zs2_no_overlap", "overlap_comm"), ("zs2_no_contiguous", "contiguous_gradients"))
                 if n in rows]
@@ -159,7 +157,7 @@ def _overlap(rows: dict) -> dict[str, Any]:
 
 
 def _fsdp(rows: dict) -> dict[str, Any]:
-    q = {"question": "FSDP 与 ZeRO-3 有何异同？ (FSDP and ZeRO-3)",
+    q = {"question": "How do FSDP and ZeRO-3 differ?",
          "claim": "the same idea; ZeRO-3 gathers per layer and peaks lower"}
     if "zs3" not in rows or "fsdp2" not in rows:
         return {**q, **_missing(["fsdp2", "zs3"], rows)}

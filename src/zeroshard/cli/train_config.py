@@ -92,6 +92,10 @@ def build_config(args: argparse.Namespace, unit_classes: list[str]) -> dict[str,
         raise ConfigError(f"zero_optimization must be an object, got {zero!r}")
     if args.stage is not None:
         zero["stage"] = args.stage
+        if args.stage != 3 and not args.config:  # the embedded stage-3 keys mean nothing at other stages
+            for key in [k for k in zero if k.startswith("stage3_")]:
+                del zero[key]
+            cfg.pop("zeroshard", None)
     if args.micro_batch is not None:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
         cfg.pop("train_batch_size", None)  # derived again from micro x accumulation x ranks

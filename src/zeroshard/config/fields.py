@@ -33,6 +33,8 @@ def _integral(value: Any) -> int:
     if isinstance(value, float):
         if value.is_integer():
             return int(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise PydanticCustomError("zs_type", f"expected an integer, got {value}")
         raise PydanticCustomError("zs_type", "expected an integer, got a number with a fractional part")
     raise PydanticCustomError("zs_type", "expected an integer")
 

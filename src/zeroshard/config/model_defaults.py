@@ -40,9 +40,15 @@ def choose_for_model(settings: Settings, trainable: int) -> Settings:
             why.append(key)
     if not changes:
         return settings
-    note = (f"{' and '.join(why)} not set: {size:,} elements (25 MiB of "
-            f"{str(settings.precision.reduce.dtype).replace('torch.', '')}, at most a quarter of the "
-            f"{trainable:,} trainable parameters) so reduction overlaps backward; DeepSpeed's default "
-            "5e8 would make this model one bucket. Write the key to choose yourself")
+    dtype = str(settings.precision.reduce.dtype).replace("torch.", "")
+    if size == BUCKET_BYTES // itemsize:
+        rule = f"25 MiB of {dtype}, DDP's bucket cap, for {trainable:,} trainable parameters"
+    elif size == MIN_BUCKET:
+        rule = (f"the floor of {MIN_BUCKET:,} elements below which a collective's latency dominates; the "
+                f"{trainable:,} trainable parameters fit in {max(1, -(-trainable // size))} bucket(s)")
+    else:
+        rule = f"a quarter of the {trainable:,} trainable parameters, under DDP's 25 MiB cap"
+    note = (f"{' and '.join(why)} not set: {size:,} elements ({rule}) so reduction overlaps backward; "
+            "DeepSpeed's default 5e8 would make this model one bucket. Write the key to choose yourself")
     return dataclasses.replace(settings, zero=dataclasses.replace(settings.zero, **changes),
                                notes=(*settings.notes, note))

@@ -48,6 +48,9 @@ def text_tokens(path: str | os.PathLike, max_bytes: int = 16_000_000) -> torch.T
     path = os.fspath(path)
     if not os.path.exists(path):
         raise NoTextError(f"--data {path}: no such file or folder")
+    if not (os.path.isfile(path) or os.path.isdir(path)):
+        raise NoTextError(f"--data {path}: not a regular file or a folder (a device or pipe); give a text file or a "
+                          "folder of them")
     chunks: list[bytes] = []
     total = skipped = 0
     for name in _files(path):

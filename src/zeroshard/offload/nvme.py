@@ -129,10 +129,17 @@ def check_space(folder: str, need: int, sharers: int = 1) -> str:
     slack = 1 << 30
     if total + slack > free:
         raise NvmeSpaceError(
-            f"nvme_path {folder!r} has {free / 2**30:.2f} GiB free, but this run needs {total / 2**30:.2f} GiB "
-            f"({need / 2**30:.2f} GiB x {sharers} local rank(s)) + 1 GiB slack; free space there, use a larger "
+            f"nvme_path {folder!r} has {_size(free)} free, but this run needs {_size(total)} "
+            f"({_size(need)} x {sharers} local rank(s)) + 1 GiB slack; free space there, use a larger "
             "drive, or offload less (offload_optimizer.device: cpu, or a larger world size)")
-    return (f"needs {total / 2**30:.2f} GiB on disk ({sharers} local rank(s)), {free / 2**30:.1f} GiB free")
+    return (f"needs {_size(total)} on disk ({sharers} local rank(s)), {_size(free)} free")
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in the unit that shows them: 0.43 MiB, not 0.00 GiB."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 @dataclass(frozen=True)
