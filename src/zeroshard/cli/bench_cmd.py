@@ -82,7 +82,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     if len(set(args.models)) != len(args.models):
         return f"--sizes names a model twice: {args.sizes}"
     for m in args.models:
-        problem = check_model(m, args.seq_len, 0)
+        problem = check_model(m, args.seq_len, None)
         if problem:
             return problem.replace("--model", "--sizes" if args.sizes else "--model", 1)
     return check_nproc(args.nproc)
