@@ -250,6 +250,29 @@ def test_io_engine_round_trips_and_retries_short_transfers(tmp_path, monkeypatch
     io.close()
 
 
+def test_parameter_read_ahead_hands_out_its_own_copy(tmp_path):
+    """A read-ahead hit returns a copy: the buffer it came from goes back to the pool and the
+    next shard's read lands in it at once (1 buffer here), so a view of it would turn into the
+    next shard's values under the caller (issue 28's mutant list: the copy dropped)."""
+    from zeroshard.offload.nvme import NvmeTier
+    from zeroshard.policies import AioPolicy
+
+    tier = NvmeTier(str(tmp_path), AioPolicy(), "params", 0, read_ahead=(1, 1024))
+    cpu = torch.device("cpu")
+    try:
+        values = [torch.full((1000,), float(i + 1)) for i in range(2)]
+        homes = [tier.place(v) for v in values]
+        for _ in range(2):  # the order a, b, a, b is recorded; the next fetch of a is a hit
+            for home in homes:
+                tier.fetch(home, cpu)
+        got = tier.fetch(homes[0], cpu)  # ... and starts reading b ahead
+        hits = tier.ahead.hits
+        tier.ahead.drop_all()  # every read in flight has landed
+        assert hits > 0 and torch.equal(got, values[0]), (hits, got[:3])
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("single_submit, overlap", [(True, True), (False, False)])
 def test_aio_single_submit_and_no_overlap_modes_round_trip(tmp_path, single_submit, overlap):
     from zeroshard.offload.aio import aligned_empty
