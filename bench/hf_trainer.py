@@ -11,8 +11,8 @@ time comes from a Trainer callback on rank 0 (first micro-batch to the step's en
 the CPU cores other programs used meanwhile (the machine's busy time from /proc/stat less
 both ranks' CPU time); the first `--warmup` steps of each run are left out, and so is any
 step during which other programs used more than 0.25 cores (a *clean* step is one they
-did not; a system with fewer than 3 clean steps in all keeps all its steps, and the table
-says so). Prints a markdown table: median over the clean steps of all rounds, the spread
+did not; where either system has fewer than 3 clean steps at a stage, both are compared
+over all their measured steps, and the table says so). Prints a markdown table: median over the clean steps of all rounds, the spread
 (min-max of the per-round medians, and the 10th-90th percentile of the clean steps), the
 clean / measured step counts, and zeroshard / DeepSpeed.
 """
@@ -83,17 +83,16 @@ def main() -> None:
     print("| stage | zeroshard s/step | DeepSpeed s/step | zeroshard / DeepSpeed |")
     print("|---|---|---|---|")
     for stage in stages:
+        # clean steps where both systems have at least 3 of them, else every measured step of both
+        use_clean = all(sum(len(run) for run in times[(name, stage)]) >= 3 for name in ("zeroshard", "deepspeed"))
         cells = []
         medians = {}
         for name in ("zeroshard", "deepspeed"):
-            runs = times[(name, stage)]
+            runs = times[(name, stage)] if use_clean else times[("all", name, stage)]
+            runs = [run for run in runs if run]
             flat = [t for run in runs for t in run]
-            note = f"{len(flat)}/{measured[(name, stage)]} clean"
-            if len(flat) < 3:
-                runs = times[("all", name, stage)]
-                flat = [t for run in runs for t in run]
-                note = "too few clean steps: all steps"
-            runs = [run for run in runs if run] or runs
+            clean_count = sum(len(run) for run in times[(name, stage)])
+            note = f"{clean_count}/{measured[(name, stage)]} clean" + ("" if use_clean else ", all steps used")
             medians[name] = statistics.median(flat)
             per_round = [statistics.median(run) for run in runs]
             cells.append(f"{medians[name]:.4f} (rounds {min(per_round):.4f}-{max(per_round):.4f}; "
