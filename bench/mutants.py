@@ -237,10 +237,11 @@ MUTANTS: list[Mutant] = [
            'print(f"zeroshard inspect: {exc}")',
            "zeroshard inspect prints its error on stdout, not stderr",
            ("tests/test_checkpoint_export.py::test_cli_errors_are_one_line_exit_2",)),
-    Mutant("cli-estimate-traceback", "cli (errors)", L + "estimate_cmd.py",
-           "        except (ZeroShardError, ValueError) as e:",
-           "        except ZeroShardError as e:",
-           "zeroshard estimate/plan: a ValueError from bad input escapes as a traceback",
+    Mutant("cli-estimate-exit-1", "cli (errors)", L + "estimate_cmd.py",
+           "            return 2\n    return run",
+           "            return 1\n    return run",
+           "zeroshard estimate/plan exit 1, not 2, on bad input (replaces an equivalent mutant: narrowing the "
+           "except to ZeroShardError changes nothing, ConfigError is a ValueError and no input raises a plain one)",
            ("tests/test_cli_estimate.py",)),
 ]
 
