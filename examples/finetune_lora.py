@@ -64,8 +64,11 @@ def main() -> None:
     mem = engine.memory_stats()
     if engine.rank == 0:
         print(f"parameters: {total:,}, trainable (LoRA): {adapters:,}")
+        # fp32 training: the fp32 parameter shard is its own master, so Adam holds 8 bytes per
+        # trainable element (momentum + variance); a 16-bit run adds a 4-byte fp32 master (12)
+        k = 8 if engine.train_state.compute_dtype == torch.float32 else 12
         print(f"held per rank (bytes): params {mem['params']:,} (all {total:,} x 4 / {engine.world_size}, "
-              f"sharded), optimizer states {mem['optimizer_states']:,} (12 x adapters / {engine.world_size})")
+              f"sharded), optimizer states {mem['optimizer_states']:,} ({k} x adapters / {engine.world_size})")
         print(f"loss {sum(losses[:5]) / 5:.3f} -> {sum(losses[-5:]) / 5:.3f}")
     engine.close()
 

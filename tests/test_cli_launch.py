@@ -76,6 +76,11 @@ def test_lora_example_runs(monkeypatch, capsys):
     runpy.run_path(path, run_name="__main__")
     out = capsys.readouterr().out
     assert "trainable (LoRA)" in out and "optimizer states" in out
+    import re
+
+    adapters = int(re.search(r"trainable \(LoRA\): ([\d,]+)", out).group(1).replace(",", ""))
+    held, k, world = re.search(r"optimizer states ([\d,]+) \((\d+) x adapters / (\d+)\)", out).groups()
+    assert int(held.replace(",", "")) == int(k) * adapters // int(world), out  # the printed rule holds
 
 
 # -- the deepspeed launcher's flags ------------------------------------------------------------------

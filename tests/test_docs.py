@@ -1,0 +1,28 @@
+"""The docs cannot go stale (issue 29, item 6): every `$ zeroshard estimate|plan ...` shown
+in README.md and docs/ is run and its output compared with the page, exactly (these commands
+are deterministic; `...` lines on the page stand for output it leaves out). When a change
+moves a figure, `python tests/doc_examples.py --update` rewrites the shown output, and the
+prose around it is the author's to check."""
+
+from __future__ import annotations
+
+import difflib
+
+import pytest
+
+import doc_examples
+
+EXAMPLES = [ex for ex in doc_examples.examples() if doc_examples.runnable(ex)]
+
+
+def test_the_pages_show_examples():
+    assert len(EXAMPLES) >= 10, [ex.name for ex in EXAMPLES]
+
+
+@pytest.mark.parametrize("ex", EXAMPLES, ids=[ex.name for ex in EXAMPLES])
+def test_a_shown_command_prints_what_the_page_shows(ex):
+    fresh = doc_examples.run(ex)
+    if not doc_examples.matches(ex.shown, fresh):
+        diff = "\n".join(difflib.unified_diff(doc_examples.normalized(ex.shown), fresh, "page", "now", lineterm="", n=1))
+        pytest.fail(f"{ex.name}: `zeroshard {' '.join(ex.argv)}` no longer prints what the page shows "
+                    f"(python tests/doc_examples.py --update):\n{diff[:4000]}")
