@@ -260,6 +260,7 @@ def section_oracle(ctx):
         runs = [r for r in runs if r in keep]
     for kind, opt_name, precision, stage in runs:
         name = f"{kind} z{stage} {precision} {opt_name}"
+        t0 = time.perf_counter()
         try:
             cfg = zs_config(kind, stage, opt_name, precision, sz)
             got, losses, engine = train_zs(kind, cfg, sz, rank, world, key)
@@ -274,7 +275,7 @@ def section_oracle(ctx):
                 init, ref = refs[(kind, opt_name)]
                 verdict, value, detail = judge(got, init, ref, opt_name, precision)
                 rows.append(row("oracle", name, f"{ctx['form']} on {dev}", verdict, value, detail,
-                                losses=losses))
+                                losses=losses, run_s=round(time.perf_counter() - t0, 2)))
         except Exception as exc:  # a run that raises is a failed row; the others still run
             rows.append(row("oracle", name, ctx["form"], FAIL, "raised", f"{type(exc).__name__}: {exc}"[:300],
                             trace=traceback.format_exc()[-2000:]))
@@ -895,12 +896,13 @@ def main(argv=None) -> int:
     unknown = [s for s in sections if s not in ALL_SECTIONS]
     if unknown:
         ap.error(f"unknown section(s) {unknown}; choose from {','.join(ALL_SECTIONS)}")
-    import torch
+    if args.device == "cuda":
+        import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: --device cuda but torch.cuda.is_available() is False here; "
-              "run with --device cpu for the smoke form", file=sys.stderr)
-        return 2
+        if not torch.cuda.is_available():
+            print("gpu_check: --device cuda but torch.cuda.is_available() is False here; "
+                  "run with --device cpu for the smoke form", file=sys.stderr)
+            return 2
     started = time.perf_counter()
     sz = sizes(args.device, args.quick)
     cores = os.cpu_count() or 2
@@ -920,6 +922,8 @@ def main(argv=None) -> int:
         t.start()
     for t in threads:
         t.join()
+    import torch  # here, not before: on CPU the parent's import would compete with the ranks' own
+
     rows = [r for _, _, k in forms for r in out[k]]
     order = {s: i for i, s in enumerate(("run",) + ALL_SECTIONS)}
     rows.sort(key=lambda r: order.get(r["section"], 99))
