@@ -82,9 +82,33 @@ def test_an_unusable_nvme_path_is_one_line_with_a_fix_that_works(capsys, tmp_pat
         assert "mkdir" not in line, line  # mkdir -p of a file or under /proc cannot work
 
 
-def test_a_config_without_optimizer_takes_the_embedded_one_and_says_so(tmp_path):
-    cfg = _write(tmp_path / "ds.json", {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})
-    proc = _train("--config", cfg, cwd=tmp_path)
+MINIMAL = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+
+
+def test_a_config_without_optimizer_takes_the_embedded_one(tmp_path):
+    """Before launch: the config the ranks get has the embedded optimizer and schedule, and
+    the launcher's note says so."""
+    import argparse
+
+    from zeroshard.cli.train_cmd import add_train_arguments, check_train_args
+    from zeroshard.cli.train_config import build_config, filled_from_default
+
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nnodes", type=int, default=1)
+    args = p.parse_args(["--model", "tiny", "--config", _write(tmp_path / "ds.json", MINIMAL)])
+    assert check_train_args(args) is None
+    cfg = build_config(args, ["Block"])
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["scheduler"]["type"] == "WarmupCosineLR"
+    assert cfg["zero_optimization"] == {"stage": 2}  # what the user wrote is kept
+    [note] = filled_from_default(args)
+    assert "has no 'optimizer'; using the embedded config's optimizer AdamW" in note
+
+
+@pytest.mark.slow
+def test_a_config_without_optimizer_trains_and_says_so(tmp_path):
+    proc = _train("--config", _write(tmp_path / "ds.json", MINIMAL), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "has no 'optimizer'; using the embedded config's optimizer AdamW" in proc.stdout, proc.stdout[-2000:]
 
