@@ -12,9 +12,10 @@ the CPU cores other programs used meanwhile (the machine's busy time from /proc/
 both ranks' CPU time); the first `--warmup` steps of each run are left out, and so is any
 step during which other programs used more than 0.25 cores (a *clean* step is one they
 did not; where either system has fewer than 3 clean steps at a stage, both are compared
-over all their measured steps, and the table says so). Prints a markdown table: median over the clean steps of all rounds, the spread
-(min-max of the per-round medians, and the 10th-90th percentile of the clean steps), the
-clean / measured step counts, and zeroshard / DeepSpeed.
+over all their measured steps, and the table says so). Prints a markdown table: median
+over the clean steps of all rounds, the spread (min-max of the per-round medians, and the
+10th-90th percentile of the steps), the clean / measured step counts, and zeroshard /
+DeepSpeed.
 """
 
 from __future__ import annotations

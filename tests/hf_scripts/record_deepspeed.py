@@ -1,7 +1,8 @@
 """Record what the real DeepSpeed gives for each scenario of scenarios.py (run once, by hand).
 
     python -m venv --system-site-packages /tmp/dsvenv
-    /tmp/dsvenv/bin/pip install --no-deps deepspeed==0.19.8 && /tmp/dsvenv/bin/pip install hjson ninja py-cpuinfo msgpack einops
+    /tmp/dsvenv/bin/pip install --no-deps deepspeed==0.19.8
+    /tmp/dsvenv/bin/pip install hjson ninja py-cpuinfo msgpack einops
     /tmp/dsvenv/bin/python tests/hf_scripts/record_deepspeed.py [NAME ...] > /tmp/deepspeed_figures.json
 
 Each scenario runs on 2 ranks with `zeroshard launch --real-deepspeed` (torchrun, the

@@ -93,7 +93,7 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available())
     extra: dict = {}
     model = build_model(args, extra)
-    timer = step_timer(args.time_steps)  # also counts the steps this run takes (a resumed run logs the earlier ones too)
+    timer = step_timer(args.time_steps)  # counts the steps this run takes (a resumed run logs earlier ones too)
     trainer = Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=[timer])
     result = trainer.train(resume_from_checkpoint=args.resume)
     if args.time_steps:

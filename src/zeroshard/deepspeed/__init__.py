@@ -8,8 +8,8 @@ and keep the config, the arguments (`add_config_arguments`) and the launch comma
 A thin layer over zeroshard's own API: `initialize` returns DeepSpeed's 4-tuple around a
 `zeroshard.Engine`. Scripts that import `deepspeed` themselves (or whose libraries do:
 Hugging Face Trainer, Accelerate) run unchanged under `zeroshard launch`, which serves this
-package as `deepspeed` (shadow.py; docs/huggingface.md). What differs on purpose, and what is not supported (pipeline engine,
-MoE, model parallelism), is in docs/deepspeed-migration.md.
+package as `deepspeed` (shadow.py; docs/huggingface.md). What differs on purpose, and what
+is not supported (pipeline engine, MoE, model parallelism), is in docs/deepspeed-migration.md.
 """
 
 from zeroshard.deepspeed import (
