@@ -186,6 +186,8 @@ def zs_config(kind, stage, opt_name, precision, sz, zero_extra=None, extra=None)
            "gradient_clipping": 0.0, "optimizer": opt_section(opt_name), "zero_optimization": zero}
     if stage == 3:
         cfg["zeroshard"] = {"stage3_unit_classes": [UNIT[kind]]}
+        # every parameter gathered (none kept whole as "persistent"): the tiny models' are all small
+        zero.setdefault("stage3_param_persistence_threshold", 0)
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     for k, v in (extra or {}).items():
@@ -210,6 +212,7 @@ def train_zs(kind, cfg, sz, rank, world, key="", probe=None):
         losses.append(float(loss.item()))
     if probe is not None:
         probe(engine, "after")
+    engine.gpu_check_comm = engine.comm_stats()  # the training steps' collectives, before the state dict's
     return engine.full_state_dict(), losses, engine
 
 
@@ -791,32 +794,61 @@ def section_zeropp(ctx):
         except Exception as exc:
             rows.append(row("zeropp", label, form, FAIL, "raised", f"{type(exc).__name__}: {exc}"[:300],
                             trace=traceback.format_exc()[-2000:]))
+    return rows
+
+
+def section_zeropp_engine(ctx):
+    """qwZ + qgZ at stage 3 on 2 ranks: quantization needs peers (one rank sends nothing, and one
+    GPU holds one NCCL rank), so this runs in the 2-rank gloo form, on the device zeroshard gives it."""
+    import torch
+
+    rows, sz, rank, world = [], ctx["sz"], ctx["rank"], ctx["world"]
     name = "gpt z3 qwZ+qgZ sgd"
+    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
     try:
+        # each rank a node of its own (torchrun's variables say so): qwZ quantizes the inter-node gather
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
         zero = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
-        got, losses, engine = train_zs("gpt", zs_config("gpt", 3, "sgd", "fp32", sz, zero), sz, 0, 1)
+        got, losses, engine = train_zs("gpt", zs_config("gpt", 3, "sgd", "fp32", sz, zero), sz, rank, world, "gpt2r")
         devz = engine.device
-        comm = engine.comm_stats()
+        comm = engine.gpu_check_comm
         engine.close()
         del engine
         release(devz.type)
-        init, ref = reference("gpt", "sgd", sz, 1, devz)
-        num = sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref)
-        den = sum(float((ref[k] - init[k]).pow(2).sum()) for k in ref)
-        ratio = math.sqrt(num) / max(math.sqrt(den), 1e-30)
-        ok = all(math.isfinite(v) for v in losses) and ratio <= 0.10
-        rows.append(row("zeropp", name, f"{ctx['form']} on {devz}", PASS if ok else FAIL,
-                        f"{ratio:.2%} of moved from fp32", "bound 10 %", comm=str(comm)[:2000]))
+        if rank == 0:
+            init, ref = reference("gpt", "sgd", sz, world, devz, "gpt2r")
+            # tests/test_zeropp.py's measure: SGD's update is linear in the gradient, so the least-squares
+            # scale of the update against one process's shows a wrong sum or mean (2 on 2 ranks) and
+            # rounding is noise around 1 (int4 gradients: drift up to 50 % of the distance moved)
+            want = torch.cat([(ref[k] - init[k]).flatten() for k in ref])
+            moved = torch.cat([(got[k] - init[k]).flatten() for k in ref])
+            scale = float(moved @ want / (want @ want))
+            drift = float((moved - want).norm() / want.norm())
+            ag = comm["all_gather"]
+            wire = ag["bytes"] / max(4 * ag["elements"], 1)  # qwZ: int8 payload + scales of fp32 values
+            a2a = comm["all_to_all"]["calls"]  # qgZ: the quantized gradient all-to-all
+            ok = (all(math.isfinite(v) for v in losses) and abs(scale - 1) <= 0.1 and drift <= 0.5
+                  and wire <= 0.35 and a2a > 0)
+            rows.append(row("zeropp", name, f"{ctx['form']} on {devz}", PASS if ok else FAIL,
+                            f"update scale {scale:.3f}, drift {drift:.0%}; gather {wire:.2f} x fp32 bytes; "
+                            f"{a2a} all-to-alls", "bounds: |scale - 1| <= 0.1, drift <= 50 %, <= 0.35 x, > 0",
+                            comm=comm))
     except Exception as exc:
         rows.append(row("zeropp", name, ctx["form"], FAIL, "raised", f"{type(exc).__name__}: {exc}"[:300],
                         trace=traceback.format_exc()[-2000:]))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return rows
 
 
 SECTIONS_1 = {"oracle": section_oracle, "offload": section_offload, "nvme": section_nvme,
               "actoffload": section_actoffload, "memory": section_memory, "speed": section_speed,
               "zeropp": section_zeropp}
-SECTIONS_2 = {"gloo": section_gloo, "oracle": section_oracle}
+SECTIONS_2 = {"gloo": section_gloo, "oracle": section_oracle, "zeropp": section_zeropp_engine}
 ALL_SECTIONS = ("oracle", "gloo", "offload", "nvme", "actoffload", "memory", "speed", "zeropp")
 
 

@@ -48,7 +48,7 @@ def _check_report(proc, data):
     one = [r for r in rows if r["form"].startswith("1 rank")]
     two = [r for r in rows if r["form"].startswith("2 ranks")]
     assert {r["section"] for r in one} == SECTIONS_1
-    assert {r["section"] for r in two} == {"oracle", "gloo"}
+    assert {r["section"] for r in two} == {"oracle", "gloo", "zeropp"}
     return rows, one, two
 
 
@@ -59,6 +59,7 @@ def test_cpu_form_passes_with_every_section(tmp_path):
     assert {f"gpt z{s} fp32 sgd" for s in range(4)} <= oracle1
     assert {"gpt z2 fp32 adamw", "gpt z3 bf16 sgd", "llama z3 fp32 sgd"} <= oracle1
     assert {r["name"] for r in two if r["section"] == "oracle"} == {"gpt z2 fp32 sgd", "gpt z3 fp32 sgd"}
+    assert [r["name"] for r in two if r["section"] == "zeropp"] == ["gpt z3 qwZ+qgZ sgd"]  # needs peers
     # on CPU every collective zeroshard calls works under gloo (on CUDA some are reported unsupported)
     gloo = [r for r in two if r["section"] == "gloo"]
     assert len(gloo) == 7 and all(r["verdict"] == "PASS" for r in gloo)
