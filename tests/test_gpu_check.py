@@ -115,7 +115,7 @@ def test_copy_profile_counts_hidden_and_exposed_and_needs_the_side_stream():
     # the HtoD on stream 7 itself overlaps nothing of another stream (10 us exposed)
     assert s["copies"] == 2 and s["compute_stream"] == 7
     assert (s["hidden_us"], s["exposed_us"]) == (80.0, 30.0)
-    assert s["by_kind"]["DtoH"] == {"count": 1, "us": 100.0, "streams": ["20"]}
+    assert s["by_kind"]["DtoH"] == {"count": 1, "us": 100.0, "streams": ["20"], "pageable": 0}
     ctx = {"form": "1 rank nccl"}
     cuda = torch.device("cuda", 0)
     assert gpu_check.profile_row("z2 optimizer cpu", ctx, cuda, {"summary": s}, True)["verdict"] == "PASS"
@@ -124,6 +124,10 @@ def test_copy_profile_counts_hidden_and_exposed_and_needs_the_side_stream():
     assert gpu_check.profile_row("z2 optimizer cpu", ctx, cuda, {"summary": same}, True)["verdict"] == "FAIL"
     assert gpu_check.profile_row("z3 param cpu", ctx, cuda, {"summary": same}, False)["verdict"] == "PASS"
     assert gpu_check.profile_row("x", ctx, cuda, {}, True)["verdict"] == "FAIL"  # no trace is a failure
+    pageable = _trace(copy_stream=20)
+    pageable[2]["name"] = "Memcpy DtoH (Device -> Pageable)"  # the host buffer was not pinned
+    summary = gpu_check.copy_overlap(pageable)
+    assert gpu_check.profile_row("z2 optimizer cpu", ctx, cuda, {"summary": summary}, True)["verdict"] == "FAIL"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA form needs a GPU")
