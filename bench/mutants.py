@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -403,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scratch", help="scratch folder (default: a new temporary one, removed at the end)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's pytest run")
     ap.add_argument("--json", help="also write the results to this file")
-    ap.add_argument("--pytest-args", default="", help="extra pytest arguments, space-separated")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments, as a shell would split them "
+                    "(e.g. \"-k 'cap_below or sub3000'\" to run only the tests that should catch the mutants)")
     args = ap.parse_args(argv)
 
     names = [n for n in args.only.split(",") if n]
@@ -437,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check or stale:
             print("\n".join(stale) or f"all {len(chosen)} mutants apply at {commit[:10]}")
             return 1 if stale else 0
-        extra = args.pytest_args.split()
+        extra = shlex.split(args.pytest_args)
         print(f"commit {commit}, scratch {scratch}, {len(chosen)} mutants", flush=True)
         if args.clean:
             for tests in sorted({m.tests for m in chosen}):
@@ -454,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                 tail = r.get("out", "")[-3000:]
                 print(tail, flush=True)
         print()
-        print(f"Commit `{commit}`; `{' '.join(['python', 'bench/mutants.py', *(argv or sys.argv[1:])])}`\n")
+        print(f"Commit `{commit}`; `{shlex.join(['python', 'bench/mutants.py', *(argv or sys.argv[1:])])}`\n")
         print(table(results))
         if args.json:
             with open(args.json, "w") as f:
