@@ -163,6 +163,7 @@ def test_engine_is_a_module_with_deepspeeds_attributes():
         engine.compile()
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
 def test_client_optimizer_groups_follow_zeroshards_rebuild():
     """Accelerate steps a LambdaLR over the optimizer the script made; DeepSpeed steps that
     very object, so its lr must reach the shards zeroshard steps."""
