@@ -270,3 +270,27 @@ def test_opting_in_outside_the_launcher(tmp_path):
     path = subprocess.run([sys.executable, "-m", "zeroshard.deepspeed.shadow", "--path"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert path.stdout.strip() == SHADOW_DIR
+
+
+def test_zero_init_parameters_show_deepspeeds_shard_attributes():
+    """transformers and DeepSpeed tools read `ds_tensor` / `ds_numel` / `ds_shape`; they follow
+    writes made inside the context and under GatheredParameters, and go at initialize()."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+            nn.init.constant_(self.a.weight, 0.5)  # a write to a sharded parameter, inside the context
+
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = Model()
+    w = model.a.weight
+    assert (w.ds_numel, tuple(w.ds_shape)) == (16, (4, 4)) and torch.equal(w.ds_tensor, torch.full((16,), 0.5))
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=0):
+        with torch.no_grad():
+            w.fill_(2.0)
+    assert torch.equal(w.ds_tensor, torch.full((16,), 2.0))
+    deepspeed.initialize(model=model, config=config)
+    assert not hasattr(w, "ds_tensor")

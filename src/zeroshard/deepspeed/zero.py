@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import zeroshard
@@ -64,7 +65,20 @@ class Init(zeroshard.Init):
                 entry = shard_of(param)
                 if entry is not None:
                     param.ds_tensor, param.ds_numel, param.ds_shape = entry.shard, entry.numel, param.shape
+                    self._flagged.append(weakref.ref(param))
         return out
+
+    def __enter__(self):
+        self._flagged: list = []
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for ref in getattr(self, "_flagged", []):  # a write inside the context re-sharded it
+            param = ref()
+            entry = shard_of(param) if param is not None else None
+            if entry is not None:
+                param.ds_tensor = entry.shard
 
 
 def forget_ds_attributes(model) -> None:
