@@ -294,3 +294,16 @@ def test_zero_init_parameters_show_deepspeeds_shard_attributes():
     assert torch.equal(w.ds_tensor, torch.full((16,), 2.0))
     deepspeed.initialize(model=model, config=config)
     assert not hasattr(w, "ds_tensor")
+
+
+def test_runtime_utils_helpers(caplog):
+    from zeroshard.deepspeed.runtime.utils import move_to_device, see_memory_usage
+
+    item = {"a": torch.ones(2), "b": [torch.zeros(1, dtype=torch.int64), ("x", torch.ones(1))]}
+    moved = move_to_device(item, "meta", lambda t: t.is_floating_point())
+    assert moved["a"].is_meta and not moved["b"][0].is_meta and moved["b"][1][1].is_meta and moved["b"][1][0] == "x"
+    with caplog.at_level("INFO", logger="zeroshard.deepspeed"):
+        see_memory_usage("before", force=False)
+        assert caplog.text == ""
+        see_memory_usage("after build", force=True)
+    assert "after build" in caplog.text and "Max_MA" in caplog.text and "CPU Virtual Memory" in caplog.text

@@ -1,5 +1,5 @@
-"""`deepspeed.runtime`: the parts scripts and libraries import (engine, lr_schedules, zero)."""
+"""`deepspeed.runtime`: the parts scripts and libraries import (engine, lr_schedules, utils, zero)."""
 
-from zeroshard.deepspeed.runtime import engine, lr_schedules, zero
+from zeroshard.deepspeed.runtime import engine, lr_schedules, utils, zero
 
-__all__ = ["engine", "lr_schedules", "zero"]
+__all__ = ["engine", "lr_schedules", "utils", "zero"]
