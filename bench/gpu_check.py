@@ -20,6 +20,10 @@ Rows (section / what is checked; the verdict is a real assertion, the exit code 
               (~100M on CUDA), against one process with the N x b batch on the same device.
   gloo        (2 ranks) each torch.distributed collective zeroshard's Comm calls, on tensors of the
               device (CUDA tensors on a GPU): result right, or "unsupported by gloo" (not a failure).
+  nccl        (CUDA) whether zeroshard's Handle.wait() blocks the host on NCCL (it passes a timeout to
+              work.wait(), which makes torch's WorkNCCL::wait block the CPU thread): host time blocked
+              behind ~0.2 s of queued GPU work, beside a plain wait(). On one GPU zeroshard issues no
+              collective at all (world size 1 short-circuits in Comm._issue), so no other row reaches NCCL.
   offload     offload_optimizer cpu (stages 2, 3), offload_param cpu (stage 3): SGD oracle; the host
               tier is pinned on CUDA; on CUDA a torch.profiler (CUPTI) trace of two steps: host<->device
               copy time hidden behind kernels on another stream vs exposed, and whether the gradient
@@ -850,11 +854,65 @@ def section_zeropp_engine(ctx):
     return rows
 
 
-SECTIONS_1 = {"oracle": section_oracle, "offload": section_offload, "nvme": section_nvme,
+def section_nccl(ctx):
+    """Does zeroshard's Handle.wait() block the host on NCCL? It passes a timeout to work.wait(), and
+    torch's WorkNCCL::wait blocks the CPU thread until the collective completes whenever a timeout
+    is given (ProcessGroupNCCL.cpp: `if (blockingWait_ || timeout != kNoTimeout)`), where a plain
+    wait() only makes the current stream wait. zeroshard issues no collective on one rank, so the
+    probe wraps a 1-rank NCCL all-reduce queued behind ~0.2 s of matmuls in zeroshard's Handle."""
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.comm import Handle
+
+    dev = torch.device(ctx["device"])
+    form = f"{ctx['form']} on {dev}"
+    name = "Handle.wait does not block the host"
+    if dev.type != "cuda":
+        return [row("nccl", name, form, SKIP, "", "on gloo the host does the collective: its wait is the work")]
+    try:
+        engine = zeroshard.initialize(make_model("gpt", ctx["sz"], "gpt2r"), zs_config("gpt", 0, "sgd", "fp32", ctx["sz"]))
+        comm = engine.comm
+        a = torch.randn(4096, 4096, device=dev)
+        b = torch.empty_like(a)
+        t = torch.ones(1 << 20, device=dev)
+
+        def probe(wait):
+            torch.cuda.synchronize()
+            for _ in range(100):  # ~0.2 s of GPU work queued ahead of the collective
+                torch.mm(a, a, out=b)
+            work = dist.all_reduce(t, async_op=True)
+            t0 = time.perf_counter()
+            wait(work)
+            host = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            return host, time.perf_counter() - t0
+
+        def zeroshard_wait(work):
+            totals = comm.ledger.record("all_reduce", t.dtype, t.numel(), 1, comm.scope, None)
+            Handle(comm, work, "gpu_check probe", totals, time.perf_counter()).wait()
+
+        probe(lambda w: w.wait())  # warm-up: cuBLAS and NCCL kernels loaded
+        plain_host, plain_total = probe(lambda w: w.wait())
+        zs_host, zs_total = probe(zeroshard_wait)
+        engine.close()
+        ok = zs_host <= 0.2 * zs_total
+        return [row("nccl", name, form, PASS if ok else FAIL,
+                    f"host blocked {zs_host * 1e3:.0f} of {zs_total * 1e3:.0f} ms (plain wait(): "
+                    f"{plain_host * 1e3:.1f} of {plain_total * 1e3:.0f} ms)",
+                    "bound: <= 20 % of the GPU backlog; a blocked host cannot queue the next kernels "
+                    "(fix: no timeout to work.wait() on NCCL, whose watchdog enforces the group's timeout)")]
+    except Exception as exc:
+        return [row("nccl", name, form, FAIL, "raised", f"{type(exc).__name__}: {exc}"[:300],
+                    trace=traceback.format_exc()[-2000:])]
+
+
+SECTIONS_1 = {"oracle": section_oracle, "nccl": section_nccl, "offload": section_offload, "nvme": section_nvme,
               "actoffload": section_actoffload, "memory": section_memory, "speed": section_speed,
               "zeropp": section_zeropp}
 SECTIONS_2 = {"gloo": section_gloo, "oracle": section_oracle, "zeropp": section_zeropp_engine}
-ALL_SECTIONS = ("oracle", "gloo", "offload", "nvme", "actoffload", "memory", "speed", "zeropp")
+ALL_SECTIONS = ("oracle", "gloo", "nccl", "offload", "nvme", "actoffload", "memory", "speed", "zeropp")
 
 
 # --------------------------------------------------------------------------------------------------
