@@ -138,3 +138,10 @@ def test_cuda_form(tmp_path):
     assert all("nccl" in r["form"] for r in one)
     assert any(r["form"].endswith("on cuda:0") for r in one if r["section"] == "oracle")
     print(proc.stdout)  # the table, for bench/RESULTS.md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the CUDA form runs instead")
+def test_cuda_form_without_a_gpu_is_one_line_and_exit_2(tmp_path):
+    proc, data = _run(tmp_path, "cuda", timeout=300)
+    assert proc.returncode == 2 and data is None
+    assert "torch.cuda.is_available() is False" in proc.stderr and "--device cpu" in proc.stderr
