@@ -239,6 +239,13 @@ def judge(got, init, ref, opt_name, precision):
     return (PASS if frac <= 0.02 else FAIL), f"{frac:.3%} entries off", "bound 2 % off by > 1e-3 rel"
 
 
+def the_device(ctx):
+    """This rank's device: cuda:0 (one GPU; an index, as DDP's device_ids needs), or the CPU."""
+    import torch
+
+    return torch.device("cuda", 0) if ctx["device"] == "cuda" else torch.device("cpu")
+
+
 def release(device_type):
     import torch
 
@@ -294,7 +301,7 @@ def section_gloo(ctx):
     import torch
     import torch.distributed as dist
 
-    rank, world, dev = ctx["rank"], ctx["world"], torch.device(ctx["device"])
+    rank, world, dev = ctx["rank"], ctx["world"], the_device(ctx)
     form = f"{ctx['form']}, {dev.type} tensors"
     n = 1024
 
@@ -537,7 +544,7 @@ def section_actoffload(ctx):
     from zeroshard.partition import MemoryLedger
     from zeroshard.policies import ActivationOffloadPolicy, OffloadDevice
 
-    sz, dev = ctx["sz"], torch.device(ctx["device"])
+    sz, dev = ctx["sz"], the_device(ctx)
     form = f"{ctx['form']} on {dev}"
     ref = make_model("gpt", sz).to(dev)
     model = copy.deepcopy(ref)
@@ -641,7 +648,7 @@ def section_memory(ctx):
 def section_speed(ctx):
     import torch
 
-    rows, sz, dev = [], ctx["sz"], torch.device(ctx["device"])
+    rows, sz, dev = [], ctx["sz"], the_device(ctx)
     form = f"{ctx['form']} on {dev}"
     n_steps, warm = sz["speed_steps"], sz["speed_warmup"]
     data = batches("gpt", sz, 1, n_steps + warm)
@@ -750,7 +757,8 @@ def build_system(system, sz, dev):
             return None
         cfg = {"train_micro_batch_size_per_gpu": sz["micro"], "gradient_accumulation_steps": 1,
                "gradient_clipping": 0.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
-               "zero_optimization": {"stage": 2, "reduce_bucket_size": sz["bucket"]}}
+               "zero_optimization": {"stage": 2, "reduce_bucket_size": sz["bucket"]},
+               "zero_allow_untested_optimizer": True}  # a client torch optimizer under ZeRO
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                optimizer=torch_opt("sgd", model.parameters()), config=cfg,
                                                dist_init_required=False)
@@ -770,7 +778,7 @@ def section_zeropp(ctx):
 
     from zeroshard.comm.quantize import dequantize, plan_blocks, quantize
 
-    rows, sz, dev = [], ctx["sz"], torch.device(ctx["device"])
+    rows, sz, dev = [], ctx["sz"], the_device(ctx)
     form = f"{ctx['form']} on {dev}"
     n = sz["quant_elems"]
     g = torch.Generator(device="cpu").manual_seed(5)
@@ -869,7 +877,7 @@ def section_nccl(ctx):
     import zeroshard
     from zeroshard.comm import Handle
 
-    dev = torch.device(ctx["device"])
+    dev = the_device(ctx)
     form = f"{ctx['form']} on {dev}"
     name = "Handle.wait does not block the host"
     cuda = dev.type == "cuda"
