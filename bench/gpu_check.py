@@ -48,10 +48,16 @@ Rows (section / what is checked; the verdict is a real assertion, the exit code 
 
 What has never run (no GPU was at hand when this was written, 2026-12-02): everything under
 `--device cuda`: the NCCL 1-rank form, gloo on CUDA tensors, the pinned host tier, the gradient
-staging side stream, the profiler trace parsing of CUDA copies, activation offload's side stream,
-the CUDA memory columns, DDP / FSDP2 / DeepSpeed on CUDA and the quantizer on CUDA. The CPU form
-(`--device cpu --quick`) runs in the default test suite (tests/test_gpu_check.py) and shares every
-code path that does not need CUDA.
+staging side stream, CUPTI's copy events in the profiler trace, activation offload's side stream,
+the CUDA memory columns, DDP / FSDP2 / DeepSpeed on CUDA, the quantizer on CUDA and the NCCL wait
+probe. The "<= 8 minutes" is an estimate (~100M models, 4 steps per oracle run; each process form
+is killed at --timeout, 470 s on CUDA). The CPU form (`--device cpu --quick`) runs in the default
+test suite (tests/test_gpu_check.py) and shares every code path that does not need CUDA (the
+profile's trace export and parsing included; the parser also reads a synthetic CUDA trace there).
+
+One GPU holds one NCCL rank, and zeroshard's Comm issues nothing on a world of one: the NCCL rows
+check the device paths (buckets, streams, copies, memory) and NCCL's start-up, not NCCL collectives
+between peers; those need two GPUs.
 """
 
 from __future__ import annotations
