@@ -366,10 +366,10 @@ def run_one(scratch: str, m: Mutant, timeout: float, extra: list[str]) -> dict:
         verdict, detail = "TIMEOUT", r["summary"]
     elif r["rc"] == 0:
         verdict, detail = "missed", r["summary"]
-    elif r["rc"] == 1:
+    elif r["rc"] == 1 or (r["rc"] == 2 and "error" in r["summary"]):  # 2: a collection error (import broke)
         verdict, detail = "caught", r["first_failure"] or r["summary"]
-    else:  # 2: interrupted / collection error, 3-5: pytest itself: a mutant that breaks import counts, but say so
-        verdict, detail = "caught", f"pytest exit {r['rc']}: {r['first_failure'] or r['summary']}"
+    else:  # killed by a signal (< 0), interrupted, pytest's own error, no tests collected: no verdict
+        verdict, detail = "ERROR", f"pytest exit {r['rc']}: {r['summary']} (rerun it)"
     return {"name": m.name, "verdict": verdict, "seconds": r["seconds"], "procs": r["procs"], "detail": detail,
             "out": r["out"]}
 
