@@ -117,7 +117,8 @@ class PeerRunner:
 
     def _context(self):
         if self._autocast:
-            return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16)
+            device = next(self.module.parameters()).device.type  # where the model runs, not what exists
+            return torch.autocast(device, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def forward_backward(self, x, y) -> torch.Tensor:
@@ -207,7 +208,8 @@ def build_peer(system: BenchSystem, module: nn.Module, unit_classes: list[str], 
 
 
 def _deepspeed(system: BenchSystem, module: nn.Module, micro_batch: int, bf16: bool) -> DeepSpeedRunner:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    on_cuda = next(module.parameters()).device.type == "cuda"
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")  # DeepSpeed's device = the model's
     import deepspeed
 
     cfg: dict[str, Any] = {

@@ -257,7 +257,9 @@ class _GradStaging:
 
     def __init__(self, masters: list[torch.Tensor], buckets: list[FlatBucket], memory: MemoryLedger) -> None:
         self._memory = memory
-        self._crossing = [m.device != b.shard().device for m, b in zip(masters, buckets)]
+        # where the gradient shard lands (the bucket's compute device), not where the parameter
+        # shard rests: at stage 3 with offload_param the shard is on the host, the gradient not
+        self._crossing = [m.device != b.device for m, b in zip(masters, buckets)]
         self._masters = masters
         self._stream = None
         self._buffers: list[torch.Tensor] = []
