@@ -8,6 +8,8 @@ LOCAL_WORLD_SIZE and GROUP_RANK set per rank as torchrun sets them):
   of plain stage 3's, step by step after the first few; inter-node bytes per step with all
   three are <= 0.35x plain stage 3's (fp32 and bf16).
 * the ledger by scope: every byte of the quantized collectives is payload + scales.
+* qwZ and qgZ with SGD (linear in the gradient), 2 steps each: the update's scale against one
+  process within 0.1 of 1, so a wrong 1/N on the quantized path shows (issue 28).
 
 Only the loss tracking needs 30 steps: the default run trains plain stage 3 and all three
 together for 30, qwZ and qgZ alone for 2 (their bytes per step are the last step's); the 30-step
