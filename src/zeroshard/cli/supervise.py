@@ -55,7 +55,7 @@ def supervise(cmd: list[str], env: dict[str, str], command: str,
             _kill(proc)
             return
         got.append(signum)
-        _send(proc, signum)
+        _send(proc, signal.SIGTERM)  # torchrun stops its ranks with it (see torchrun_main)
         timer = threading.Timer(KILL_AFTER_S, _kill, args=(proc,))
         timer.daemon = True
         timer.start()

@@ -4,8 +4,11 @@ The same `torch.distributed.run` (same arguments, same rendezvous, same restarts
 three differences that make a stop or a failure read as one line from the launcher:
 
 - it receives SIGTERM when the launcher dies (so it stops its ranks, whatever killed the
-  launcher), and a stop signal before the ranks start ends it quietly;
-- its own log lines ("Sending process ... closing signal", "failed (exitcode: 2)") are not printed;
+  launcher), a stop signal before the ranks start ends it quietly, and its ranks are
+  always stopped with SIGTERM (SIGINT would make a rank still starting Python print a
+  traceback);
+- its own log lines ("Sending process ... closing signal", "failed (exitcode: 2)") are not
+  printed; a restart under --max-restarts is one line of ours;
 - a failed rank or a stop signal ends it with an exit status (the failed rank's, or
   128 + the signal) and a record in the launcher's channel, instead of a traceback of
   `ChildFailedError` or `SignalException`.
@@ -25,13 +28,27 @@ TORCHRUN_SIGNAL = "torchrun.signal"
 FAILURES = "torchrun.failures"
 
 
+_received: list[int] = []
+
+
+def _on_stop(signum: int, frame) -> None:
+    """A stop signal to torchrun: its ranks are told with SIGTERM whatever it got, since a rank
+    still starting Python (before its own handler) ends quietly on SIGTERM but prints a
+    KeyboardInterrupt traceback on SIGINT. The exit status keeps the signal received."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    _received.append(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     rank_guard.die_with_parent()
+    # torchrun installs its own handlers for these when the ranks start; keep ours (SIGQUIT stays its)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
     try:
-        from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
-
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _terminate_process_handler)  # torchrun's own, before it installs it itself
+            signal.signal(sig, _on_stop)
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
@@ -41,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         except ChildFailedError as exc:
             return _failed(exc)
         except SignalException as exc:
-            return _signalled(int(exc.sigval))
-    except KeyboardInterrupt:  # a SIGINT before torch's handler was installed
+            return _signalled(_received[0] if _received else int(exc.sigval))
+    except KeyboardInterrupt:  # a SIGINT before any handler was installed
         return _signalled(int(signal.SIGINT))
     return 0
 
@@ -50,10 +67,44 @@ def main(argv: list[str] | None = None) -> int:
 def _quiet() -> None:
     """Silence torchrun's own log lines (its agent's and process contexts'); the launcher
     says how the run ended. torch sets their levels again as it configures logging, so
-    they are disabled rather than raised in level."""
+    they are disabled rather than raised in level. The two that tell of a restart
+    (--max-restarts) are turned into one line of ours."""
+    restarts = _Restarts()
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
-            logging.getLogger(name).disabled = True
+            log = logging.getLogger(name)
+            if name in _RESTART_LOGGERS:
+                log.setLevel(logging.INFO)
+                log.addFilter(restarts)
+            else:
+                log.disabled = True
+
+
+_RESTART_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+
+
+class _Restarts(logging.Filter):
+    """Prints `zeroshard: local rank 1 was killed by SIGKILL; torchrun restarts every rank (1 of 2)`
+    from torchrun's failure and restart records; lets no record through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failure: tuple[int, int] | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            if str(record.msg).startswith("failed (exitcode:"):
+                self.failure = (int(record.args[0]), int(record.args[1]))
+            elif "attempts left" in str(record.msg) and "will restart worker group" in str(record.msg):
+                left, total = int(record.args[2]), int(record.args[3])
+                code, rank = self.failure or (0, -1)
+                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exited with status {code}")
+                print(f"zeroshard: local rank {rank} {how}; torchrun restarts every rank (restart {total - left + 1} "
+                      f"of {total})", file=sys.stderr, flush=True)
+        except (TypeError, ValueError, IndexError):
+            pass
+        return False
 
 
 def _record(name: str, payload) -> None:
