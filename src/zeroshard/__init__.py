@@ -5,7 +5,7 @@ The public names are imported on first use (PEP 562), so `import zeroshard.cli..
 
 from __future__ import annotations
 
-import importlib
+from zeroshard.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -24,15 +24,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
-    module, attr = home if isinstance(home, tuple) else (home, name)
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _HOMES)

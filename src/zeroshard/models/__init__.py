@@ -4,12 +4,12 @@ Names are imported on first use (PEP 562): `zeroshard.models.presets` has no tor
 
 from __future__ import annotations
 
-import importlib
+from zeroshard.lazy_exports import lazy_exports
 
 _HOMES = {
-    "batch_iterator": "data", "global_batch": "data", "synthetic_tokens": "data",
-    "GPT": "gpt", "Block": "gpt", "build_gpt": "gpt", "num_parameters": "gpt",
-    "GPT_PRESETS": "presets", "GPTConfig": "presets", "FrozenMLP": "mlp",
+    "batch_iterator": "zeroshard.models.data", "global_batch": "zeroshard.models.data", "synthetic_tokens": "zeroshard.models.data",
+    "GPT": "zeroshard.models.gpt", "Block": "zeroshard.models.gpt", "build_gpt": "zeroshard.models.gpt", "num_parameters": "zeroshard.models.gpt",
+    "GPT_PRESETS": "zeroshard.models.presets", "GPTConfig": "zeroshard.models.presets", "FrozenMLP": "zeroshard.models.mlp",
 }
 
 __all__ = [
@@ -18,14 +18,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'zeroshard.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"zeroshard.models.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _HOMES)

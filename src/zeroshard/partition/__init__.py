@@ -5,27 +5,17 @@ Names are imported on first use (PEP 562), so the estimator and the command line
 
 from __future__ import annotations
 
-import importlib
+from zeroshard.lazy_exports import lazy_exports
 
 _HOMES = {
-    "FlatBucket": "flat_bucket", "slot_views": "flat_bucket",
-    "BucketLayout": "layout", "ParamInfo": "layout", "Slot": "layout", "chunk_ranges": "layout",
-    "padded_size": "layout", "plan_buckets": "layout",
-    "CATEGORIES": "memory", "MemoryLedger": "memory",
+    **dict.fromkeys(("FlatBucket", "slot_views"), "zeroshard.partition.flat_bucket"),
+    **dict.fromkeys(("BucketLayout", "ParamInfo", "Slot", "chunk_ranges", "padded_size", "plan_buckets"),
+                    "zeroshard.partition.layout"),
+    **dict.fromkeys(("CATEGORIES", "MemoryLedger"), "zeroshard.partition.memory"),
 }
 
 __all__ = ["CATEGORIES", "BucketLayout", "FlatBucket", "MemoryLedger", "ParamInfo", "Slot",
            "chunk_ranges", "padded_size", "plan_buckets", "slot_views"]
 
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'zeroshard.partition' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"zeroshard.partition.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _HOMES)
