@@ -702,6 +702,24 @@ def section_speed(ctx):
     return rows
 
 
+def _torch_step(model, opt, autocast):
+    """One training step of a torch-wrapped model (DDP, FSDP2); `autocast` a device type for bf16
+    autocast, or None when the wrapper casts itself."""
+    import contextlib
+
+    import torch
+
+    def step(x, y):
+        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    return step
+
+
 def build_system(system, sz, dev):
     """A callable (x, y) -> loss float doing one bf16 training step of `system` on the 1-rank group."""
     import torch
@@ -725,17 +743,7 @@ def build_system(system, sz, dev):
 
         model.to(dev)
         wrapped = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-        opt = torch_opt("sgd", wrapped.parameters())
-
-        def step(x, y):
-            with torch.autocast(dev.type, dtype=torch.bfloat16):  # bf16 autocast on the device
-                loss = loss_of(wrapped, x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss.item())
-
-        return step
+        return _torch_step(wrapped, torch_opt("sgd", wrapped.parameters()), autocast=dev.type)
     if system == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -745,16 +753,7 @@ def build_system(system, sz, dev):
             if type(m).__name__ == UNIT["gpt"]:
                 fully_shard(m, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        opt = torch_opt("sgd", model.parameters())
-
-        def step(x, y):
-            loss = loss_of(model, x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss.item())
-
-        return step
+        return _torch_step(model, torch_opt("sgd", model.parameters()), autocast=None)  # bf16 by its policy
     if system == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cuda")
         try:
