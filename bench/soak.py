@@ -57,7 +57,7 @@ def main() -> int:
     args = parser.parse_args()
     warmup = args.warmup_step if args.warmup_step is not None else args.steps // 4
 
-    from zeroshard.cli.train_resources import judge, read_log
+    from zeroshard.cli.train.resources import judge, read_log
 
     root = tempfile.mkdtemp(prefix="zeroshard-soak-", dir=args.dir)
     started = time.perf_counter()

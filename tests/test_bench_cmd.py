@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from zeroshard.cli import bench_plot, bench_systems
-from zeroshard.cli.bench_report import write_outputs
-from zeroshard.cli.bench_results import formula_bytes, stage_phi
+from zeroshard.bench import plot as bench_plot, systems as bench_systems
+from zeroshard.bench.report import write_outputs
+from zeroshard.bench.results import formula_bytes, stage_phi
 from zeroshard.cli.main import main
 from zeroshard.comm import PAPER_FACTOR, ring_sent_bytes
 
@@ -176,7 +176,7 @@ def test_bench_options_are_frozen():
     """The options users script against: adding is fine, renaming breaks them."""
     import argparse
 
-    from zeroshard.cli.bench_cmd import register
+    from zeroshard.bench.command import register
 
     sub = argparse.ArgumentParser().add_subparsers()
     register(sub)

@@ -28,7 +28,7 @@ def _losses(out: str) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     """The default job (embedded stage-3 config, 2 ranks, stdlib corpus) on the tiny preset."""
-    from zeroshard.cli.train_config import default_config
+    from zeroshard.cli.train.config import default_config
 
     cwd = tmp_path_factory.mktemp("train")
     config = {**default_config(50, 8, ["Block"]), "steps_per_print": 25}
@@ -148,7 +148,7 @@ def test_train_options_are_frozen():
     """The CLI surface users script against: adding is fine, renaming breaks them."""
     import argparse
 
-    from zeroshard.cli.train_cmd import register
+    from zeroshard.cli.train.command import register
 
     sub = argparse.ArgumentParser().add_subparsers()
     register(sub)

@@ -41,7 +41,7 @@ def test_the_bucket_note_says_which_rule_chose_the_size(trainable, rule):
 
 
 def test_the_benchmark_questions_are_in_english():
-    import zeroshard.cli.bench_answers as answers
+    import zeroshard.bench.answers as answers
 
     text = open(answers.__file__, encoding="utf-8").read()
     assert all(ord(ch) < 0x2E80 for ch in text), "CJK text in an English tool"
@@ -55,8 +55,8 @@ def test_small_nvme_sizes_are_not_zero_gib(tmp_path):
 
 
 def test_stage3_keys_of_the_embedded_config_are_dropped_at_other_stages():
-    from zeroshard.cli.train_cmd import add_train_arguments
-    from zeroshard.cli.train_config import build_config
+    from zeroshard.cli.train.args import add_train_arguments
+    from zeroshard.cli.train.config import build_config
 
     p = argparse.ArgumentParser()
     add_train_arguments(p)
@@ -69,7 +69,7 @@ def test_stage3_keys_of_the_embedded_config_are_dropped_at_other_stages():
 
 
 def test_tiny_runs_with_the_default_seq_len():
-    from zeroshard.cli.train_model import check_model, default_seq_len
+    from zeroshard.cli.train.model import check_model, default_seq_len
 
     assert default_seq_len("tiny") == 16 and default_seq_len("mini") == 64
     assert check_model("tiny", default_seq_len("tiny"), None) is None

@@ -27,8 +27,8 @@ def _args(model: str, offload: str) -> argparse.Namespace:
 
 def _worker(rank, world, model_spec):
     import zeroshard
-    from zeroshard.cli.train_config import build_config
-    from zeroshard.cli.train_model import build_model
+    from zeroshard.cli.train.config import build_config
+    from zeroshard.cli.train.model import build_model
 
     dist.init_process_group("gloo")
     out = {}

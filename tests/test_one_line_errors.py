@@ -90,8 +90,9 @@ def test_a_config_without_optimizer_takes_the_embedded_one(tmp_path):
     the launcher's note says so."""
     import argparse
 
-    from zeroshard.cli.train_cmd import add_train_arguments, check_train_args
-    from zeroshard.cli.train_config import build_config, filled_from_default
+    from zeroshard.cli.train.args import add_train_arguments
+    from zeroshard.cli.train.command import check_train_args
+    from zeroshard.cli.train.config import build_config, filled_from_default
 
     p = argparse.ArgumentParser()
     add_train_arguments(p)

@@ -97,8 +97,8 @@ def engine(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     import zeroshard
-    from zeroshard.cli.train_config import default_config
-    from zeroshard.cli.train_model import build_model
+    from zeroshard.cli.train.config import default_config
+    from zeroshard.cli.train.model import build_model
 
     torch.manual_seed(0)
     tm = build_model("tiny", 0)
@@ -115,8 +115,8 @@ def _args(save, resume=False) -> argparse.Namespace:
 
 
 def test_resume_decides_from_the_save_folder(engine, tmp_path, monkeypatch):
-    from zeroshard.cli.train_resume import client_state as state_of
-    from zeroshard.cli.train_resume import describe, resume
+    from zeroshard.cli.train.resume import client_state as state_of
+    from zeroshard.cli.train.resume import describe, resume
     from zeroshard.policies import ConfigError
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
@@ -138,7 +138,7 @@ def test_the_kill_hook_fires_only_for_its_rank_step_and_first_attempt(monkeypatc
     """(That it really kills is seen above: torchrun reports rank 1's exitcode -9.)"""
     import signal
 
-    from zeroshard.cli import train_resume
+    from zeroshard.cli.train import resume as train_resume
     from zeroshard.policies import ConfigError
 
     kills = []

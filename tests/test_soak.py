@@ -28,7 +28,7 @@ import sys
 
 import pytest
 
-from zeroshard.cli.train_resources import judge, read_log
+from zeroshard.cli.train.resources import judge, read_log
 
 MiB = 2**20
 STEPS, EVERY, WARMUP = 120, 6, 30  # the long form

@@ -1,7 +1,7 @@
 """Two nodes on loopback: two torchrun agents, one rank each, on 127.0.0.1.
 
 Run A: `torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT`
-on both "nodes" (node 0 hosts the rendezvous store), `-m zeroshard.cli.train_worker`, 6 steps with a
+on both "nodes" (node 0 hosts the rendezvous store), `-m zeroshard.cli.train.worker`, 6 steps with a
 checkpoint at steps 3 and 6. Run B: `zeroshard train --nnodes 2 --node-rank I --master-addr 127.0.0.1`
 (the static rendezvous zeroshard's own launcher writes) on both nodes, in a folder that holds only
 A's step-3 checkpoint: it resumes there, and its step-6 checkpoint equals A's bit for bit. Each
@@ -79,7 +79,7 @@ def two_node_runs(tmp_path_factory):
     a = run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zs-two-nodes",
                     "--rdzv-conf", f"is_host={int(node == 0)}", "--node-rank", str(node),
-                    "-m", "zeroshard.cli.train_worker", *TRAIN, "--save", "a"] for node in (0, 1)], cwd)
+                    "-m", "zeroshard.cli.train.worker", *TRAIN, "--save", "a"] for node in (0, 1)], cwd)
     if all(r.returncode == 0 for r in a):
         os.makedirs(cwd / "b")
         shutil.copytree(cwd / "a" / "global_step3", cwd / "b" / "global_step3")

@@ -1,4 +1,5 @@
-"""`zeroshard` command line: one sub-command per module `zeroshard.cli.<name>_cmd`.
+"""`zeroshard` command line: one sub-command per module `zeroshard.cli.<name>_cmd` (train and
+bench: their packages' `command` modules, `PACKAGED`).
 
 Each such module defines `register(subparsers)`, which adds its parser and sets
 `func(args) -> int` as the parser default. Modules are imported only when listed
@@ -12,6 +13,7 @@ import importlib
 import sys
 
 COMMANDS = ("train", "launch", "estimate", "plan", "bench", "export", "inspect")
+PACKAGED = {"train": "zeroshard.cli.train.command", "bench": "zeroshard.bench.command"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"zeroshard.cli.{name}_cmd").register(sub)
+        importlib.import_module(PACKAGED.get(name, f"zeroshard.cli.{name}_cmd")).register(sub)
     return parser
 
 

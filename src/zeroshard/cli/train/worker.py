@@ -3,7 +3,7 @@ engine, checkpoint when asked, and (rank 0) show progress, a summary and the PNG
 
 Run directly under your own torchrun, on one node or many:
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \
-        -m zeroshard.cli.train_worker --model small --steps 1000
+        -m zeroshard.cli.train.worker --model small --steps 1000
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from rich.console import Console
 
 import zeroshard
 from zeroshard.cli import rank_guard
-from zeroshard.cli.train_config import DEFAULT_STEPS_PER_PRINT, build_config
-from zeroshard.cli.train_data import NoTextError, load_tokens, rank_batch
-from zeroshard.cli.train_model import ModelSpecError, TrainModel, build_model
-from zeroshard.cli.train_report import RunRecord, gather_memory, make_progress, memory_line, summary_table, \
+from zeroshard.cli.train.args import add_train_arguments, resolve_defaults
+from zeroshard.cli.train.config import DEFAULT_STEPS_PER_PRINT, build_config
+from zeroshard.cli.train.data import NoTextError, load_tokens, rank_batch
+from zeroshard.cli.train.model import ModelSpecError, TrainModel, build_model
+from zeroshard.cli.train.report import RunRecord, gather_memory, make_progress, memory_line, summary_table, \
     write_report
-from zeroshard.cli.train_resources import ResourceLog
-from zeroshard.cli.train_resume import client_state, describe, kill_hook, resume
+from zeroshard.cli.train.resources import ResourceLog
+from zeroshard.cli.train.resume import client_state, describe, kill_hook, resume
 from zeroshard.policies import ZeroShardError
 
 
@@ -38,8 +39,6 @@ def train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
-    from zeroshard.cli.train_cmd import resolve_defaults
-
     resolve_defaults(args)
     torch.manual_seed(args.seed)
     tm = build_model(args.model, args.lora)
@@ -145,9 +144,7 @@ def _verdict(rec: RunRecord, console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zeroshard.cli.train_cmd import add_train_arguments
-
-    parser = argparse.ArgumentParser(prog="zeroshard.cli.train_worker")
+    parser = argparse.ArgumentParser(prog="zeroshard.cli.train.worker")
     add_train_arguments(parser)
     parser.add_argument("--nproc", type=int, default=1)
     rank_guard.install()  # a stop signal ends the rank quietly (also under your own torchrun)

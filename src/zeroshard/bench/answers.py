@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroshard.cli.bench_results import formula_bytes, stage_phi
+from zeroshard.bench.results import formula_bytes, stage_phi
 
 __all__ = ["answers"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zeroshard.cli.bench_systems import DEFAULT_SYSTEMS, SYSTEMS, resolve_systems
+from zeroshard.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, resolve_systems
 from zeroshard.cli.launch_cmd import check_nproc
 
 __all__ = ["model_spec", "register", "run"]
@@ -68,7 +68,7 @@ def model_spec(name: str) -> str:
 
 
 def check_args(args: argparse.Namespace) -> str | None:
-    from zeroshard.cli.train_model import check_model
+    from zeroshard.cli.train.model import check_model
 
     for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
                                ("--micro-batch", args.micro_batch, 1), ("--seq-len", args.seq_len, 1),
@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"zeroshard bench: {problem}", file=sys.stderr)
         return 2
-    from zeroshard.cli.bench_launch import run_all
-    from zeroshard.cli.bench_report import add_report, print_report, write_outputs
+    from zeroshard.bench.launch import run_all
+    from zeroshard.bench.report import add_report, print_report, write_outputs
 
     for note in notes:
         print(f"note: {note}", flush=True)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.cli.bench_peers import AdamW
-from zeroshard.cli.bench_systems import BenchSystem
+from zeroshard.bench.peers import AdamW
+from zeroshard.bench.systems import BenchSystem
 from zeroshard.comm import PAPER_FACTOR
 
 __all__ = ["EngineRunner", "bench_config"]
@@ -36,7 +36,7 @@ def bench_config(system: BenchSystem, micro_batch: int, bf16: bool, unit_classes
 
 
 class EngineRunner:
-    """Same surface as `bench_peers.PeerRunner`, plus the ledgers."""
+    """Same surface as `bench.peers.PeerRunner`, plus the ledgers."""
 
     def __init__(self, system: BenchSystem, module: nn.Module, unit_classes: list[str], micro_batch: int,
                  bf16: bool, scratch: str) -> None:

@@ -4,7 +4,7 @@ One entry per system. A zeroshard mode is its ZeRO stage and the `zero_optimizat
 keys it adds to the shared config, so a new mode (NVMe, ZeRO++) is one line in
 `SYSTEMS`; `{dir}` in a value is replaced by a scratch folder made for that run.
 Peers (DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed) are named by family and stage and
-built by `bench_peers`.
+built by `bench.peers`.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def available_memory() -> int | None:
 
 
 def _shape(spec: str) -> dict[str, Any] | None:
-    from zeroshard.cli.train_model import model_shape
+    from zeroshard.cli.train.model import model_shape
 
     return model_shape(spec)
 

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from zeroshard.cli.bench_answers import answers
+from zeroshard.bench.answers import answers
 
 __all__ = ["add_report", "print_report", "system_table", "write_outputs"]
 
@@ -95,7 +95,7 @@ def write_outputs(result: dict[str, Any], out: str) -> list[str]:
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1)
     written = [f"json: {path}"]
-    from zeroshard.cli.bench_plot import plot_available, write_png
+    from zeroshard.bench.plot import plot_available, write_png
 
     if plot_available():
         written.append(f"png: {write_png(result, os.path.join(out, 'bench.png'))}")

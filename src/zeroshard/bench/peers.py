@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.cli.bench_systems import BenchSystem
+from zeroshard.bench.systems import BenchSystem
 
 __all__ = ["AdamW", "PeerRunner", "TensorCount", "build_peer"]
 

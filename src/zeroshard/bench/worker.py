@@ -1,13 +1,13 @@
-"""One rank of one system of `zeroshard bench` (started by torchrun from `bench_cmd`).
+"""One rank of one system of `zeroshard bench` (started by torchrun from `bench.launch`).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m zeroshard.cli.bench_worker JOB.json
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m zeroshard.bench.worker JOB.json
 
 JOB.json says the system, model, steps and shapes. Every system gets the same model (same
 seed, built on every rank), the same batches (rank r's rows of each global batch), the same
 optimizer and threads. Each step is timed on every rank from a barrier (issued through
 zeroshard's comm layer on a ledger of the harness's own) to the end of its optimizer step.
 Peak RSS is the kernel's high-water mark over the measured steps (reset at the first one).
-Each rank writes `rank<r>.json` beside JOB.json; `bench_results` merges them.
+Each rank writes `rank<r>.json` beside JOB.json; `bench.results` merges them.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import traceback
 
 import torch
 
-from zeroshard.cli.bench_systems import SYSTEMS
-from zeroshard.cli.train_data import rank_batch
-from zeroshard.cli.train_model import build_model
+from zeroshard.bench.systems import SYSTEMS
+from zeroshard.cli.train.data import rank_batch
+from zeroshard.cli.train.model import build_model
 from zeroshard.comm import Comm, CommLedger, setup_topology
 from zeroshard.models import synthetic_tokens
 
@@ -67,13 +67,13 @@ class _Barrier:
 def _runner(job: dict, tm):
     system = SYSTEMS[job["system"]]
     if system.family == "zeroshard":
-        from zeroshard.cli.bench_engine import EngineRunner
+        from zeroshard.bench.engine import EngineRunner
 
         runner = EngineRunner(system, tm.module, tm.unit_classes, job["micro_batch"], job["bf16"],
                               job.get("scratch", ""))
         return runner, runner.topology
     topology = setup_topology(TIMEOUT_S)  # the default group every peer runs on
-    from zeroshard.cli.bench_peers import build_peer
+    from zeroshard.bench.peers import build_peer
 
     return build_peer(system, tm.module, tm.unit_classes, job["micro_batch"], job["bf16"], topology.device), \
         topology
@@ -133,7 +133,7 @@ def run_job(job: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m zeroshard.cli.bench_worker JOB.json", file=sys.stderr)
+        print("usage: python -m zeroshard.bench.worker JOB.json", file=sys.stderr)
         return 2
     with open(argv[0]) as fh:
         job = json.load(fh)

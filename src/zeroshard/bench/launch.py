@@ -18,8 +18,8 @@ import tempfile
 import time
 from typing import Any
 
-from zeroshard.cli.bench_results import loss_agreement, merge_ranks, ratios
-from zeroshard.cli.bench_systems import BenchSystem
+from zeroshard.bench.results import loss_agreement, merge_ranks, ratios
+from zeroshard.bench.systems import BenchSystem
 from zeroshard.cli.launch_cmd import torchrun_command
 
 __all__ = ["run_all", "run_system"]
@@ -77,7 +77,7 @@ def run_system(args: argparse.Namespace, model: str, system: BenchSystem, folder
     with open(job_path, "w") as fh:
         json.dump(job, fh, indent=1)
     launch = argparse.Namespace(nnodes=1, master_addr=None, nproc=args.nproc)
-    cmd = torchrun_command(launch, ["-m", "zeroshard.cli.bench_worker", job_path])
+    cmd = torchrun_command(launch, ["-m", "zeroshard.bench.worker", job_path])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DS_ACCELERATOR": os.environ.get(
         "DS_ACCELERATOR", "cpu"), "PYTHONUNBUFFERED": "1"}
     log_path = os.path.join(folder, "log.txt")

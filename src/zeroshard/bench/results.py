@@ -43,7 +43,7 @@ def formula_bytes(stage: int, phi: int, trainable: int, world: int, bf16: bool) 
 
 
 def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) -> dict[str, Any]:
-    """One system's row from its ranks' results (each as bench_worker writes it)."""
+    """One system's row from its ranks' results (each as bench.worker writes it)."""
     per_rank = sorted(per_rank, key=lambda r: r["rank"])
     r0 = per_rank[0]
     warm = r0["warmup"]

@@ -1,0 +1,107 @@
+"""`zeroshard train`: train a language model with ZeRO across local ranks (default: GPT mini,
+ZeRO stage 3, 2 ranks, the bytes of Python's standard library source).
+
+The command checks everything it can, then launches: it runs `torch.distributed.run`
+(torchrun) with `--nproc` ranks on `zeroshard.cli.train.worker`, so the same worker runs
+unchanged on many nodes (`--nnodes`, `--node-rank`, `--master-addr` on every node, or
+your own torchrun command). Already inside torchrun (RANK is set), it trains directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, rank_target, \
+    run_torchrun, torchrun_command
+from zeroshard.cli.train.args import add_train_arguments, resolve_defaults, worker_argv
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a language model with ZeRO (default: GPT mini, stage 3, 2 ranks)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(p)
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default 2)")
+    add_rendezvous_arguments(p)
+    p.set_defaults(func=run)
+
+
+def check_train_args(args: argparse.Namespace) -> str | None:
+    """The first problem with the arguments, as one line, or None. Runs before any rank starts."""
+    from zeroshard.cli.train.data import check_data
+    from zeroshard.cli.train.model import check_model
+    from zeroshard.cli.train.resources import check_resource_log
+
+    resolve_defaults(args)
+    if args.steps < 1:
+        return f"--steps must be at least 1, got {args.steps}"
+    if args.seq_len < 1:
+        return f"--seq-len must be at least 1, got {args.seq_len}"
+    if args.micro_batch is not None and args.micro_batch < 1:
+        return f"--micro-batch must be at least 1, got {args.micro_batch}"
+    if args.save_every < 1:
+        return f"--save-every must be at least 1, got {args.save_every}"
+    if args.keep_last is not None:
+        if args.keep_last < 1:
+            return f"--keep-last must be at least 1, got {args.keep_last}"
+        if not args.save:
+            return "--keep-last N prunes the checkpoints --save DIR writes: give --save"
+    if args.resume:
+        if not args.save:
+            return "--resume continues from --save DIR: give the checkpoint folder with --save"
+        if not os.path.exists(os.path.join(args.save, "latest")):
+            return f"--resume: no checkpoint in {args.save} (no 'latest' file)"
+    if args.reload_checkpoints and not args.save:
+        return "--reload-checkpoints reads back what --save DIR writes: give --save"
+    problem = check_resource_log(args.resource_log)
+    if problem:
+        return problem
+    if getattr(args, "offload", "none") == "nvme" and not getattr(args, "nvme_path", None):
+        return "--offload nvme keeps states in files: give --nvme-path DIR (a directory on a fast local drive)"
+    if getattr(args, "nvme_path", None) and getattr(args, "offload", "none") != "nvme":
+        return "--nvme-path is used only with --offload nvme; add --offload nvme or drop --nvme-path"
+    return check_model(args.model, args.seq_len, args.lora) or _check_config(args) or check_data(args.data)
+
+
+def _check_config(args: argparse.Namespace) -> str | None:
+    from zeroshard.cli.train.config import build_config
+    from zeroshard.cli.train.prelaunch import check_settings
+    from zeroshard.config import load_config
+    from zeroshard.policies import ZeroShardError
+
+    try:
+        settings = load_config(build_config(args, ["Block"]), args.nproc * args.nnodes)
+    except ZeroShardError as exc:
+        return str(exc)
+    return check_settings(settings, args.model, args.seq_len, args.nproc)
+
+
+def run(args: argparse.Namespace) -> int:
+    if "RANK" in os.environ:  # already launched by torchrun: be the worker
+        from zeroshard.cli.train.worker import train
+
+        return train(args)
+    problem = check_nproc(args.nproc) or check_rendezvous(args) or check_train_args(args)
+    if problem:
+        print(f"zeroshard train: {problem}", file=sys.stderr)
+        return 2
+    from zeroshard.cli.train.config import filled_from_default
+
+    for note in filled_from_default(args):
+        print(f"zeroshard train: {note}", flush=True)
+    target = rank_target(["-m", "zeroshard.cli.train.worker", *worker_argv(args)])
+    return run_torchrun(torchrun_command(args, target), command="zeroshard train",
+                        describe_stop=lambda: last_checkpoint_line(args.save))
+
+
+def last_checkpoint_line(save: str | None) -> str:
+    """For the stop line: which checkpoint a rerun continues from."""
+    if not save:
+        return ""
+    try:
+        with open(os.path.join(save, "latest")) as fh:
+            tag = fh.read().strip()
+    except OSError:
+        return f"no checkpoint was completed in {save}"
+    return f"the last complete checkpoint is {os.path.join(save, tag)} (the same command continues from it)"
