@@ -1,4 +1,4 @@
-"""Block quantization for ZeRO++ (comm.quantize): error bounds, any size, bf16 without an
+"""Block quantization for ZeRO++ (comm.quantization): error bounds, any size, bf16 without an
 fp16 cast, non-finite values kept visible, the wire size. No process group needed."""
 
 from __future__ import annotations

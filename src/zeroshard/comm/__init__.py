@@ -1,13 +1,26 @@
-"""Collectives behind one small interface, their ledger, and the topology."""
+"""Collectives behind typed interfaces (`AllGather`, `ReduceScatter`, `AllToAll`), their
+ledger, and the topology.
 
-from zeroshard.comm.collectives import Comm, Handle
-from zeroshard.comm.ledger import COLLECTIVES, PAPER_FACTOR, CommLedger, ring_sent_bytes
-from zeroshard.comm.quantize import QUANT_BLOCK_SIZE, Blocks, dequantize, plan_blocks, quantize
-from zeroshard.comm.topology import (INTER_NODE, INTRA_NODE, SCOPES, Group, Hierarchy, Topology,
-                                     setup_topology, world_size_hint)
-from zeroshard.comm.zeropp import QGZ_BITS, QuantizedAllGather, QuantizedHierarchicalReduceScatter
+Names are imported on first use (PEP 562), so the estimator can read `zeroshard.comm.blocks`
+(ZeRO++'s quantization sizes, no torch) without loading torch.distributed."""
 
-__all__ = ["COLLECTIVES", "INTER_NODE", "INTRA_NODE", "PAPER_FACTOR", "QGZ_BITS", "QUANT_BLOCK_SIZE", "SCOPES",
-           "Blocks", "Comm", "CommLedger", "Group", "Handle", "Hierarchy", "QuantizedAllGather",
-           "QuantizedHierarchicalReduceScatter", "Topology", "dequantize", "plan_blocks", "quantize",
-           "ring_sent_bytes", "setup_topology", "world_size_hint"]
+from __future__ import annotations
+
+from zeroshard.lazy_exports import lazy_exports
+
+_HOMES = {
+    **dict.fromkeys(("Comm", "Handle"), "zeroshard.comm.collectives"),
+    **dict.fromkeys(("AllGather", "AllToAll", "Collective", "ReduceScatter"), "zeroshard.comm.interfaces"),
+    **dict.fromkeys(("COLLECTIVES", "PAPER_FACTOR", "CommLedger", "ring_sent_bytes"), "zeroshard.comm.ledger"),
+    **dict.fromkeys(("QGZ_BITS", "QUANT_BLOCK_SIZE", "QWZ_BITS", "SCALE_BYTES", "Blocks", "plan_blocks"),
+                    "zeroshard.comm.blocks"),
+    **dict.fromkeys(("dequantize", "quantize"), "zeroshard.comm.quantization"),
+    **dict.fromkeys(("INTER_NODE", "INTRA_NODE", "SCOPES", "Group", "Hierarchy", "Topology", "setup_topology",
+                     "world_size_hint"), "zeroshard.comm.topology"),
+    **dict.fromkeys(("QuantizedAllGather", "QuantizedAllToAll", "QuantizedHierarchicalReduceScatter"),
+                    "zeroshard.comm.zeropp"),
+}
+
+__all__ = sorted(_HOMES)
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _HOMES)

@@ -41,8 +41,16 @@ class Handle:
             return
         self._done = True
         try:
-            for work in self._works:
-                work.wait(timeout=datetime.timedelta(seconds=self._comm.timeout_s))
+            if self._comm.stream_ordered:
+                # NCCL: a plain wait() orders the current CUDA stream after the collective and
+                # returns; a wait with a timeout blocks the host until the GPU finishes. The
+                # group's own timeout (comm_timeout_s, given to init_process_group / new_group)
+                # still ends a stuck collective, through NCCL's watchdog.
+                for work in self._works:
+                    work.wait()
+            else:
+                for work in self._works:
+                    work.wait(timeout=datetime.timedelta(seconds=self._comm.timeout_s))
         except Exception as exc:  # the backend's own error types vary by version and backend
             raise self._comm.failure(self._what, exc) from None
         if self._works:
@@ -50,14 +58,36 @@ class Handle:
         if self._finish is not None:
             self._finish()
 
+    def then(self, step: Callable[[], None]) -> "Handle":
+        """Run `step` on wait, after the work already attached (e.g. a second hop that needs
+        the first's result); returns this handle."""
+        if self._done:
+            raise RuntimeError(f"{self._what}: then() on a handle already waited on; "
+                               "this is a zeroshard bug, please report it.")
+        first = self._finish
+
+        def both() -> None:
+            if first is not None:
+                first()
+            step()
+
+        self._finish = both
+        return self
+
     @property
     def done(self) -> bool:
         return self._done
 
+    @property
+    def what(self) -> str:
+        """The collective, its size and what it was for, as errors name it."""
+        return self._what
+
 
 class Comm:
-    """Plain collectives on one group (the world unless `on(group)` made it). Quantized and
-    hierarchical collectives (comm.zeropp) offer the same calls and return the same Handle."""
+    """Plain collectives on one group (the world unless `on(group)` made it): an `AllGather`,
+    `ReduceScatter` and `AllToAll` (comm.interfaces). Quantized and hierarchical collectives
+    (comm.zeropp) implement the same interfaces and issue through `issue` and `launch_*`."""
 
     def __init__(self, topology: Topology, ledger: CommLedger, timeout_s: float,
                  group: Group | None = None, root: "Comm | None" = None) -> None:
@@ -103,6 +133,12 @@ class Comm:
     def scope(self) -> str:
         return self.on_group.scope
 
+    @property
+    def stream_ordered(self) -> bool:
+        """Whether a wait only orders the device's stream after the collective (NCCL on a
+        CUDA machine) instead of blocking the host until it is done (gloo)."""
+        return self.topology.backend == "nccl" and torch.cuda.is_available()
+
     def failure(self, what: str, exc: BaseException) -> CommError:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         timed_out = "timeout" in text.lower() or "timed out" in text.lower()
@@ -117,11 +153,14 @@ class Comm:
             "ranks' errors. Raise `zeroshard.comm_timeout_s` only if the peers are merely slow."
         )
 
-    def _issue(self, op: str, tensor: torch.Tensor, elements: int, what: str, call,
-               wire_bytes: int | None = None, finish: Callable[[], None] | None = None,
-               dtype_name: str | None = None) -> Handle:
-        """Record and launch one collective. `call` returns the backend's work (or a list of
-        them: a quantized collective moves payload and scales); `finish` runs after the wait."""
+    def issue(self, op: str, tensor: torch.Tensor, elements: int, what: str, call,
+              wire_bytes: int | None = None, finish: Callable[[], None] | None = None,
+              dtype_name: str | None = None) -> Handle:
+        """Record and launch one collective of `elements` logical elements of `tensor`'s dtype
+        (`wire_bytes`: what really travels, if not that). `call` returns the backend's work, a
+        list of them (a quantized collective moves payload and scales; see `launch_*`) or None;
+        it is not called where nothing leaves the rank (one rank, no process group). `finish`
+        runs after the wait."""
         totals = self.ledger.record(op, tensor.dtype, elements, self.world_size, self.scope, wire_bytes)
         dtype = dtype_name or str(tensor.dtype).replace('torch.', '')
         label = f"{op} of {elements} {dtype} elements ({what})"
@@ -135,7 +174,7 @@ class Comm:
         return Handle(self, work, label, totals, started, finish)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "") -> Handle:
-        return self._issue("all_reduce", tensor, tensor.numel(), what,
+        return self.issue("all_reduce", tensor, tensor.numel(), what,
                            lambda: dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, what: str = "",
@@ -145,14 +184,14 @@ class Comm:
 
         `output` may be rank r's chunk of `input` itself (in place); with `average` `input`
         may be overwritten (its chunks pre-divided) on backends that cannot average."""
-        self._check_sizes("reduce_scatter", input, output)
+        self.check_sizes("reduce_scatter", input, output)
         if self.world_size == 1 and output.data_ptr() != input.data_ptr():
             output.copy_(input.view(-1)[: output.numel()].view_as(output))
         if self._direct(input):
             return self._reduce_scatter_direct(output, input, what, average)
         if average and self.world_size > 1:
             input.mul_(1.0 / self.world_size)
-        return self._issue("reduce_scatter", input, input.numel(), what,
+        return self.issue("reduce_scatter", input, input.numel(), what,
                            lambda: _RS(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
     def _direct(self, tensor: torch.Tensor) -> bool:
@@ -219,19 +258,19 @@ class Comm:
                 pool.give(spare)
 
         sends, tag = [chunks[p] for p in self._peers()], self._tag("reduce_scatter", input.numel(), input.dtype)
-        return self._issue("reduce_scatter", input, input.numel(), what,
+        return self.issue("reduce_scatter", input, input.numel(), what,
                            lambda: self._exchange(tag, sends, received) if size else [], finish=finish)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be rank r's chunk of it."""
-        self._check_sizes("all_gather", output, input)
+        self.check_sizes("all_gather", output, input)
         if self.world_size == 1 and output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         if self._direct(output):
             size, out = input.numel(), output.view(-1)
             return self._all_gather_direct([out[p * size : (p + 1) * size] for p in range(self.world_size)],
                                            input, what)
-        return self._issue("all_gather", output, output.numel(), what,
+        return self.issue("all_gather", output, output.numel(), what,
                            lambda: _AG(output, input, group=self.group, async_op=True))
 
     def all_gather_into(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str = "") -> Handle:
@@ -250,34 +289,44 @@ class Comm:
         mine = outputs[self.rank]
         if mine.data_ptr() != input.data_ptr():
             mine.view(-1).copy_(input.view(-1))
-        return self._issue("all_gather", input, n * size, what,
+        return self.issue("all_gather", input, n * size, what,
                            lambda: dist.all_gather(list(outputs), input, group=self.group, async_op=True))
 
     def _all_gather_direct(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str) -> Handle:
         """gloo's `all_gather_into_tensor` gathers into a new flat tensor (its input copied in)
-        and then copies every chunk out, on gloo's thread: 51 ms of wall and 30 ms of CPU for
-        a 25 MiB bucket on 2 ranks here. Here this rank sends its chunk to every peer and
-        receives each peer's chunk straight into its place, `outputs[peer]`: the bytes of a ring
-        ((N-1)/N of the tensor per rank), no temporary, no copy (14 ms and 11 ms)."""
+        and then copies every chunk out, on gloo's thread. Here this rank sends its chunk to
+        every peer and receives each peer's chunk straight into its place, `outputs[peer]`: the
+        bytes of a ring ((N-1)/N of the tensor per rank), no temporary, no copy (bench/RESULTS.md
+        has the timings)."""
         size, mine = input.numel(), outputs[self.rank].view(-1)
         if mine.data_ptr() != input.data_ptr():
             mine.copy_(input.view(-1))
         recvs = [outputs[p].view(-1) for p in self._peers()]
         numel, tag = size * self.world_size, self._tag("all_gather", size * self.world_size, input.dtype)
-        return self._issue("all_gather", input, numel, what,
+        return self.issue("all_gather", input, numel, what,
                            lambda: self._exchange(tag, [mine] * (self.world_size - 1), recvs) if size else [])
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> Handle:
-        return self._issue("broadcast", tensor, tensor.numel(), what,
+        return self.issue("broadcast", tensor, tensor.numel(), what,
                            lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         if self.world_size == 1:
             output.copy_(input)
-        return self._issue("all_to_all", input, input.numel(), what,
+        return self.issue("all_to_all", input, input.numel(), what,
                            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True))
 
-    def _check_sizes(self, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
+    # -- the backend calls a collective object launches inside `issue`'s `call` ---------------
+    def launch_all_gather(self, output: torch.Tensor, input: torch.Tensor):
+        """torch's all-gather of `input` into `output` on this group, async, unrecorded."""
+        return _AG(output, input, group=self.group, async_op=True)
+
+    def launch_all_to_all(self, output: torch.Tensor, input: torch.Tensor):
+        """torch's all-to-all (equal chunks along dim 0) on this group, async, unrecorded."""
+        return dist.all_to_all_single(output, input, group=self.group, async_op=True)
+
+    def check_sizes(self, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """`full` must be world_size x `shard` elements (a CommError naming `op` if not)."""
         if full.numel() != shard.numel() * self.world_size:
             raise CommError(
                 f"{op}: full tensor has {full.numel()} elements, expected world_size "

@@ -1,11 +1,14 @@
-"""ZeRO++ collectives, behind the same calls as `Comm` and returning the same `Handle`,
-whose `wait()` finishes the work (dequantize, reduce, the second hop):
+"""ZeRO++ collectives: they implement comm.interfaces' `AllGather`, `AllToAll` and
+`ReduceScatter` and return `Comm`'s `Handle`, whose `wait()` finishes the work (dequantize,
+reduce, the second hop):
 
 * `QuantizedAllGather` (qwZ): `all_gather(output, input)` sends the shard as int8 with one
   fp32 scale per block and dequantizes into `output` (its dtype: bf16 or fp32) on wait.
-* `QuantizedHierarchicalReduceScatter` (qgZ): `reduce_scatter(output, input)` as a
-  quantized all-to-all in two hops, inside the node then across nodes, summing each
-  hop's dequantized contributions in fp32. The input is reordered before hop 1 so that
+* `QuantizedAllToAll`: `all_to_all(output, input)` of g rows (row j to group rank j) sent
+  as int4 / int8 with block scales, dequantized into `output` on wait.
+* `QuantizedHierarchicalReduceScatter` (qgZ): `reduce_scatter(output, input)` as two
+  `QuantizedAllToAll` hops, inside the node then across nodes, summing each hop's
+  dequantized contributions in fp32. The input is reordered before hop 1 so that
   rank r = node m x k + local l ends with chunk r of the sum, as a reduce-scatter gives.
 
 Rank r = m*k + l on M nodes of k ranks; chunk c of a full gradient of M*k chunks of s:
@@ -24,23 +27,26 @@ group (so in its scope).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from zeroshard.comm.collectives import _AG, Comm, Handle
-from zeroshard.comm.quantize import QUANT_BLOCK_SIZE, dequantize, plan_blocks, quantize
+from zeroshard.comm.blocks import QGZ_BITS, QUANT_BLOCK_SIZE, QWZ_BITS, plan_blocks
+from zeroshard.comm.collectives import Comm, Handle
+from zeroshard.comm.interfaces import AllGather, AllToAll, ReduceScatter
+from zeroshard.comm.quantization import dequantize, quantize
 from zeroshard.comm.topology import Hierarchy
 from zeroshard.policies import CommError
 
-QGZ_BITS = 4  # qgZ's gradients travel as int4 (ZeRO++'s default); 8 is built too
 
-
-class QuantizedAllGather:
+class QuantizedAllGather(AllGather):
     """qwZ: an all-gather whose payload is int8 plus fp32 block scales."""
 
-    bits = 8
+    bits = QWZ_BITS
 
     def __init__(self, comm: Comm, block: int = QUANT_BLOCK_SIZE) -> None:
         self.comm, self.block = comm, block
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
 
     @property
     def world_size(self) -> int:
@@ -48,7 +54,7 @@ class QuantizedAllGather:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         comm, n = self.comm, self.comm.world_size
-        comm._check_sizes("all_gather", output, input)
+        comm.check_sizes("all_gather", output, input)
         if n == 1:  # nothing leaves the rank: nothing to quantize
             return comm.all_gather(output, input, what)
         if not (output.dtype.is_floating_point and input.dtype == output.dtype):
@@ -63,25 +69,71 @@ class QuantizedAllGather:
             output.view(n, -1).copy_(dequantize(q_all, s_all, blocks, output.dtype))
 
         def call():
-            group = comm.group
-            return [_AG(q_all.view(-1), q.view(-1), group=group, async_op=True),
-                    _AG(s_all.view(-1), scales.view(-1), group=group, async_op=True)]
+            return [comm.launch_all_gather(q_all.view(-1), q.view(-1)),
+                    comm.launch_all_gather(s_all.view(-1), scales.view(-1))]
 
-        return comm._issue("all_gather", output, output.numel(), what + " [qwZ int8]", call,
-                           wire_bytes=n * blocks.wire_bytes, finish=finish, dtype_name="int8")
+        return comm.issue("all_gather", output, output.numel(), what + " [qwZ int8]", call,
+                          wire_bytes=n * blocks.wire_bytes, finish=finish, dtype_name="int8")
 
 
-class QuantizedHierarchicalReduceScatter:
+class QuantizedAllToAll(AllToAll):
+    """An all-to-all of g rows (row j goes to group rank j) quantized to `bits` with fp32
+    block scales per row; `output` (g rows, floating point) holds the dequantized rows
+    received, row i from group rank i."""
+
+    def __init__(self, comm: Comm, bits: int = QGZ_BITS, block: int = QUANT_BLOCK_SIZE) -> None:
+        plan_blocks(2, bits)  # an unbuilt width fails here, not at the first gradient
+        self.comm, self.bits, self.block = comm, bits, block
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
+        comm, g = self.comm, self.comm.world_size
+        rows = input.reshape(g, -1)
+        width = rows.shape[1]
+        if output.numel() != input.numel() or not output.dtype.is_floating_point:
+            raise CommError(f"quantized all-to-all of {input.numel()} elements into {output.numel()} "
+                            f"{output.dtype}; this is a zeroshard bug, please report it.")
+        out = output.view(g, width)
+        if g == 1:  # a group of one sends nothing: no quantization either
+            return comm.issue("all_to_all", input, input.numel(), what, lambda: None,
+                              finish=lambda: out.copy_(rows))
+        blocks = plan_blocks(width, self.bits, self.block)
+        q, scales = quantize(rows, blocks)
+        q_in = q.contiguous()
+        q_out, s_out = torch.empty_like(q_in), torch.empty_like(scales)
+
+        def finish() -> None:
+            out.copy_(dequantize(q_out, s_out, blocks, out.dtype))
+
+        def call():
+            return [comm.launch_all_to_all(q_out, q_in), comm.launch_all_to_all(s_out, scales)]
+
+        return comm.issue("all_to_all", input, input.numel(), what, call,
+                          wire_bytes=g * blocks.wire_bytes, finish=finish, dtype_name=f"int{self.bits}")
+
+
+class QuantizedHierarchicalReduceScatter(ReduceScatter):
     """qgZ: a reduce-scatter done as two quantized all-to-alls (intra-node, then inter-node)."""
 
     def __init__(self, comm: Comm, hierarchy: Hierarchy, bits: int = QGZ_BITS,
                  block: int = QUANT_BLOCK_SIZE) -> None:
         self.comm, self.bits, self.block = comm, bits, block
-        self.intra, self.inter = comm.on(hierarchy.intra), comm.on(hierarchy.inter)
-        if self.intra.world_size * self.inter.world_size != comm.world_size:
-            raise CommError(f"qgZ: {self.inter.world_size} nodes x {self.intra.world_size} ranks is not the world "
+        intra, inter = comm.on(hierarchy.intra), comm.on(hierarchy.inter)
+        if intra.world_size * inter.world_size != comm.world_size:
+            raise CommError(f"qgZ: {inter.world_size} nodes x {intra.world_size} ranks is not the world "
                             f"size {comm.world_size}; this is a zeroshard bug, please report it.")
-        plan_blocks(2, bits)  # an unbuilt width fails here, not at the first gradient
+        self.intra, self.inter = QuantizedAllToAll(intra, bits, block), QuantizedAllToAll(inter, bits, block)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
 
     @property
     def world_size(self) -> int:
@@ -89,38 +141,17 @@ class QuantizedHierarchicalReduceScatter:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         """As `Comm.reduce_scatter`: `output` (this rank's chunk) may be a view into `input`."""
-        self.comm._check_sizes("reduce_scatter", input, output)
+        self.comm.check_sizes("reduce_scatter", input, output)
         if self.comm.world_size == 1:
             return self.comm.reduce_scatter(output, input, what)
         nodes, local, s = self.inter.world_size, self.intra.world_size, output.numel()
         parts = input.reshape(nodes, local, s).transpose(0, 1).reshape(local, nodes * s)
+        hop1 = torch.empty(local, nodes * s, dtype=torch.float32, device=input.device)
 
-        def second_hop(node_sum: torch.Tensor) -> None:
-            def land(total: torch.Tensor) -> None:
-                output.copy_(total.view_as(output))
-            self._hop(self.inter, node_sum.view(nodes, s), what + " [qgZ hop 2, inter-node]", land).wait()
+        def second_hop() -> None:
+            node_sum = hop1.sum(dim=0)  # this node's sum of chunks (m', l) for every node m'
+            hop2 = torch.empty(nodes, s, dtype=torch.float32, device=input.device)
+            self.inter.all_to_all(hop2, node_sum.view(nodes, s), what + " [qgZ hop 2, inter-node]").wait()
+            output.copy_(hop2.sum(dim=0).view_as(output))
 
-        return self._hop(self.intra, parts, what + " [qgZ hop 1, intra-node]", second_hop)
-
-    def _hop(self, comm: Comm, parts: torch.Tensor, what: str, land) -> Handle:
-        """All-to-all of `parts` (g rows: row j to group rank j) quantized; on wait, the fp32
-        sum of the g rows received is handed to `land`."""
-        g, width = parts.shape
-        if g == 1:  # a group of one sends nothing: no quantization either
-            return comm._issue("all_to_all", parts, parts.numel(), what, lambda: None,
-                               finish=lambda: land(parts[0].float()))
-        blocks = plan_blocks(width, self.bits, self.block)
-        q, scales = quantize(parts, blocks)
-        q_in = q.contiguous()
-        q_out, s_out = torch.empty_like(q_in), torch.empty_like(scales)
-
-        def finish() -> None:
-            land(dequantize(q_out, s_out, blocks).sum(dim=0))
-
-        def call():
-            group = comm.group
-            return [dist.all_to_all_single(q_out, q_in, group=group, async_op=True),
-                    dist.all_to_all_single(s_out, scales, group=group, async_op=True)]
-
-        return comm._issue("all_to_all", parts, parts.numel(), what, call,
-                           wire_bytes=g * blocks.wire_bytes, finish=finish, dtype_name=f"int{self.bits}")
+        return self.intra.all_to_all(hop1, parts, what + " [qgZ hop 1, intra-node]").then(second_hop)

@@ -19,7 +19,7 @@ scale per block (and the backward one too when hpZ is off); hpZ serves the backw
 all-gather from a secondary copy sharded inside the node, so it never crosses nodes;
 qgZ replaces the gradient reduce-scatter with a two-hop all-to-all of int4 values,
 intra-node then inter-node, each hop carrying only what the next needs. Quantized
-bytes follow the engine's blocking (`comm.quantize.plan_blocks`: a row of r values in
+bytes follow the engine's blocking (`comm.blocks.plan_blocks`: a row of r values in
 ceil(r / 2048) equal blocks, padded, one fp32 scale each): qwZ blocks each rank's shard,
 qgZ's hop 1 each of the k parts of a bucket (P/k values), hop 2 each of the M rows (P/N).
 
@@ -49,18 +49,16 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from zeroshard.comm.blocks import QGZ_BITS, QUANT_BLOCK_SIZE, QWZ_BITS, plan_blocks
+from zeroshard.comm.blocks import SCALE_BYTES as QUANT_SCALE_BYTES
 from zeroshard.policies import ConfigError, Precision, Stage
 
 from zeroshard.estimate.memory import Strategy, shard
 from zeroshard.estimate.padding import BucketPlan, gather_chunks, shard_count_for_stage
-from zeroshard.estimate.units import FP32_BYTES, INT8_BYTES
+from zeroshard.estimate.units import FP32_BYTES
 
 __all__ = ["Collective", "CommEstimate", "estimate_comm", "ring_split", "QUANT_BLOCK_SIZE", "QUANT_SCALE_BYTES",
-           "QGZ_BITS"]
-
-QUANT_BLOCK_SIZE = 2048  # elements sharing one scale in qwZ / qgZ block quantization
-QUANT_SCALE_BYTES = FP32_BYTES  # one fp32 scale per block (bf16-native, see pain point 19)
-QGZ_BITS = 4  # ZeRO++ qgZ default: int4 gradients
+           "QGZ_BITS", "QWZ_BITS"]
 
 
 @dataclass(frozen=True)
@@ -132,13 +130,8 @@ def ring_split(payload: float, nodes: int, per_node: int) -> tuple[int, int]:
 
 def _quantized_bytes(elements: int, bits: int, n_shards: int) -> int:
     """A tensor of `elements` cut in `n_shards` rows, each block-quantized to `bits` (the
-    engine's blocking, comm.quantize.plan_blocks): payload with padding, plus the scales."""
-    row = math.ceil(elements / n_shards)
-    count = math.ceil(row / QUANT_BLOCK_SIZE)
-    size = math.ceil(row / count)
-    if bits == 4 and size % 2:
-        size += 1
-    return n_shards * (count * size * bits // 8 + count * QUANT_SCALE_BYTES)
+    engine's blocking, comm.blocks.plan_blocks): payload with padding, plus the scales."""
+    return n_shards * plan_blocks(math.ceil(elements / n_shards), bits).wire_bytes
 
 
 def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: int,
@@ -201,7 +194,7 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
         hp, k_, m_ = s.hpz_partition_size, gpus_per_node, nodes
         if hp > 1 and gpus_per_node % hp:
             raise ConfigError(f"zero_hpz_partition_size {hp} must divide gpus per node {gpus_per_node}")
-        qwz_bytes = sum(_quantized_bytes(b, 8 * INT8_BYTES, n) for b in gathered_buckets)
+        qwz_bytes = sum(_quantized_bytes(b, QWZ_BITS, n) for b in gathered_buckets)
         n_units = len(gathered_buckets) if layout is not None else 1
         if s.quantized_weights:
             add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered, qwz_bytes, True,
