@@ -2,7 +2,7 @@
 
 A child process trains a tiny GPT and saves tag "a" into one directory per phase;
 then, per phase, it forks a saver of tag "b" whose writer stops at that phase
-(`ZEROSHARD_CHECKPOINT_TEST_PAUSE`). The test SIGKILLs each saver there, then loads
+(the fault point `pause`, zeroshard.faults). The test SIGKILLs each saver there, then loads
 `latest` here. Forking from one warm child keeps the test to one torch start-up.
 """
 
@@ -19,7 +19,6 @@ import time
 import pytest
 
 import zeroshard
-from zeroshard.checkpoint.save import PAUSE_ENV
 from zeroshard.models import build_gpt
 
 # phase -> the tag `latest` must name after a kill there
@@ -33,8 +32,9 @@ PHASES = {
 
 CHILD = r"""
 import os, sys, torch, zeroshard
+from zeroshard import faults
 from zeroshard.models import build_gpt
-root, env, phases = sys.argv[1], sys.argv[2], sys.argv[3:]
+root, phases = sys.argv[1], sys.argv[2:]
 torch.manual_seed(0)
 engine = zeroshard.initialize(build_gpt("tiny"), {"train_micro_batch_size_per_gpu": 2,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"reduce_bucket_size": 3000}})
@@ -47,7 +47,7 @@ pids = []
 for phase in phases:
     pid = os.fork()
     if pid == 0:  # the saver that the test kills
-        os.environ[env] = phase
+        os.environ.update(faults.setting(faults.PAUSE, phase))
         engine.save_checkpoint(os.path.join(root, phase), tag="b", keep_last=1)
         os.write(2, f"finished without pausing {phase}\n".encode())
         os._exit(0)
@@ -66,7 +66,7 @@ def _single_process(monkeypatch):
 
 def test_sigkill_during_save_leaves_latest_loadable(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), PAUSE_ENV, *PHASES],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), *PHASES],
                              env={**env, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()

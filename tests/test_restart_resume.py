@@ -4,7 +4,7 @@ restarts both ranks; they continue from `latest` (global_step4), redo steps 4-7 
 the uninterrupted run saw at those steps, and end with the same parameters and optimizer states,
 bit for bit in fp32, as a run that was never interrupted.
 
-The kill comes from the worker's test hook ZEROSHARD_TEST_KILL_AT=RANK:STEP (first attempt only).
+The kill comes from the fault point `kill:RANK:STEP` (zeroshard.faults; first attempt only).
 The in-process tests below cover the resume decision itself on one rank.
 
 The two-job form with the bit-for-bit comparison is marked `slow` (`python -m pytest -m slow`).
@@ -22,6 +22,8 @@ import pytest
 import torch
 from checkpoint_files import assert_bit_equal, checkpoint_tensors, client_state
 
+from zeroshard import faults
+
 STEPS, EVERY, KILL = 8, 4, 6  # the long form
 SHORT_STEPS, SHORT_EVERY, SHORT_KILL = 4, 2, 3  # the default run's short form
 
@@ -29,7 +31,7 @@ SHORT_STEPS, SHORT_EVERY, SHORT_KILL = 4, 2, 3  # the default run's short form
 def _train(cwd, save: str, *extra: str, env_extra: dict | None = None, steps: int = STEPS,
            every: int = EVERY) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", "ZEROSHARD_TEST_KILL_AT")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT", faults.ENV)}
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", "--model", "tiny", "--seq-len", "16",
            "--micro-batch", "4", "--steps", str(steps), "--save", save, "--save-every", str(every),
@@ -38,7 +40,7 @@ def _train(cwd, save: str, *extra: str, env_extra: dict | None = None, steps: in
 
 
 def _killed(cwd, steps: int, every: int, kill: int) -> subprocess.CompletedProcess:
-    return _train(cwd, "restarted", "--max-restarts", "1", env_extra={"ZEROSHARD_TEST_KILL_AT": f"1:{kill}"},
+    return _train(cwd, "restarted", "--max-restarts", "1", env_extra=faults.setting(faults.KILL, f"1:{kill}"),
                   steps=steps, every=every)
 
 
@@ -138,30 +140,28 @@ def test_the_kill_hook_fires_only_for_its_rank_step_and_first_attempt(monkeypatc
     """(That it really kills is seen above: torchrun reports rank 1's exitcode -9.)"""
     import signal
 
-    from zeroshard.cli.train import resume as train_resume
     from zeroshard.policies import ConfigError
 
     kills = []
-    monkeypatch.setattr(train_resume.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: kills.append((pid, sig)))
 
     def fired(rank: int, restart: int) -> list[int]:
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
-        hook, steps = train_resume.kill_hook(rank), []
+        hook, steps = faults.kill_hook(rank, restart), []
         for step in range(5):
             before = len(kills)
             hook(step)
             steps += [step] * (len(kills) - before)
         return steps
 
-    monkeypatch.delenv("ZEROSHARD_TEST_KILL_AT", raising=False)
+    monkeypatch.delenv(faults.ENV, raising=False)
     assert fired(1, 0) == []  # unset
-    monkeypatch.setenv("ZEROSHARD_TEST_KILL_AT", "1:3")
+    monkeypatch.setenv(faults.ENV, "kill:1:3")
     assert fired(1, 0) == [3] and kills[-1] == (os.getpid(), signal.SIGKILL)
     assert fired(0, 0) == []  # another rank
     assert fired(1, 1) == []  # torchrun's restarted attempt
-    monkeypatch.setenv("ZEROSHARD_TEST_KILL_AT", "three")
+    monkeypatch.setenv(faults.ENV, "kill:three")
     with pytest.raises(ConfigError, match="expected RANK:STEP"):
-        train_resume.kill_hook(1)
+        faults.kill_hook(1, 0)
 
 
 def test_max_restarts_reaches_torchrun_without_its_shared_store(monkeypatch, capsys):

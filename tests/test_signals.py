@@ -19,12 +19,12 @@ import uuid
 
 import pytest
 
+from zeroshard import faults
 from zeroshard.checkpoint.reader import CheckpointReader, resolve
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="looks for survivors in /proc")
 
 MARKER = "ZEROSHARD_TEST_SIGNAL_RUN"
-PAUSE_ENV = "ZEROSHARD_CHECKPOINT_TEST_PAUSE"
 STOP_WITHIN_S = 15.0  # "a few seconds" on an idle machine; generous for a loaded 2-core CI
 
 
@@ -61,7 +61,7 @@ def _start(tmp_path, pause: str | None = None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env[MARKER] = run_id
     if pause:
-        env[PAUSE_ENV] = pause
+        env.update(faults.setting(faults.PAUSE, pause))
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     proc = subprocess.Popen(
         [sys.executable, "-m", "zeroshard.cli.main", "train", "--model", "tiny", "--seq-len", "16", "--steps",

@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ZEROSHARD_TEST_KILL_AT")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ZEROSHARD_FAULT")}
     return {**env, "OMP_NUM_THREADS": "1"}
 
 

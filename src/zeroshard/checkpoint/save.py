@@ -42,17 +42,8 @@ from zeroshard.checkpoint.format import (
     seal_meta,
 )
 from zeroshard.checkpoint.snapshot import JSON, model_config, name_table_of, rank_file
+from zeroshard import faults
 from zeroshard.policies import CheckpointError
-
-PAUSE_ENV = "ZEROSHARD_CHECKPOINT_TEST_PAUSE"  # "<phase>": tests stop a save there and kill it
-
-
-def pause(phase: str) -> None:
-    """Let a test kill a save at a chosen phase: announce it on stderr, then wait."""
-    if os.environ.get(PAUSE_ENV) == phase:
-        os.write(2, f"zeroshard-checkpoint-paused {phase}\n".encode())  # one write: lines never interleave
-        time.sleep(120)
-
 
 def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, keep_last: int | None = None) -> str:
@@ -81,7 +72,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     table = name_table_of(ts)
     record: dict[str, Any] = {}
     try:
-        part = rank_file(ts, table, pause)
+        part = rank_file(ts, table)
         check_space(save_dir, sum(e.nbytes for e in (*part.entries, *part.optim_entries)),
                     ts.comm.topology.local_world_size)
         files = {}
@@ -140,7 +131,7 @@ def _prepare(save_dir: str, tmp: str) -> None:
         os.makedirs(tmp)
     except OSError as exc:
         raise CheckpointError(f"{save_dir}: cannot create the checkpoint directory ({exc.strerror or exc})") from None
-    pause("prepared")
+    faults.pause("prepared")  # a no-op unless a test arms it
 
 
 def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> dict[str, Any]:
@@ -185,7 +176,7 @@ def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> d
 def _commit(save_dir: str, tmp: str, tag: str, meta: dict[str, Any], keep_last: int | None) -> None:
     write_small(os.path.join(tmp, META), dumps(seal_meta(meta)))
     fsync_dir(tmp)
-    pause("written")
+    faults.pause("written")
     final, old = os.path.join(save_dir, tag), os.path.join(save_dir, OLD_PREFIX + tag)
     try:
         if os.path.exists(final):  # same tag saved again: keep the old one until the new is in place
@@ -195,10 +186,10 @@ def _commit(save_dir: str, tmp: str, tag: str, meta: dict[str, Any], keep_last: 
         fsync_dir(save_dir)
     except OSError as exc:
         raise CheckpointError(f"{final}: cannot move the new checkpoint into place ({exc.strerror or exc})") from None
-    pause("renamed")
+    faults.pause("renamed")
     write_small(os.path.join(save_dir, LATEST), tag.encode())
     shutil.rmtree(old, ignore_errors=True)
-    pause("latest")
+    faults.pause("latest")
     if keep_last is not None:
         prune(save_dir, keep_last, keep=tag)
 

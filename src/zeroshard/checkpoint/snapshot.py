@@ -25,6 +25,7 @@ from zeroshard.checkpoint.format import (
     json_safe,
     module_key,
 )
+from zeroshard import faults
 from zeroshard.offload import readable
 from zeroshard.policies import CheckpointError
 
@@ -105,7 +106,7 @@ class RankFile:
     json_states: dict[str, dict[str, Any]]  # bucket key -> {state: value}
 
 
-def rank_file(ts, table: NameTable, pause: Callable[[str], None]) -> RankFile:
+def rank_file(ts, table: NameTable) -> RankFile:
     opt = ts.optimizer
     kinds: dict[str, str] = {}
     for b, master in enumerate(opt.masters):
@@ -149,7 +150,7 @@ def rank_file(ts, table: NameTable, pause: Callable[[str], None]) -> RankFile:
         entries += [_entry(module_key(name), t) for name, t in table.module_entries]
     if entries:
         middle = len(entries) // 2
-        entries[middle] = _paused(entries[middle], pause)
+        entries[middle] = _paused(entries[middle])
     return RankFile(entries, optim_entries, records, shards, kinds, json_states)
 
 
@@ -166,8 +167,8 @@ def _lazy_entry(key: str, like: torch.Tensor, value: Callable[[], torch.Tensor])
     return Entry(e.key, e.shape, e.dtype, lambda: _entry(key, value()).produce())
 
 
-def _paused(e: Entry, pause: Callable[[str], None]) -> Entry:
+def _paused(e: Entry) -> Entry:
     def produce():
-        pause("rank_file")  # half of this rank's file is on disk
+        faults.pause("rank_file")  # half of this rank's file is on disk
         return e.produce()
     return Entry(e.key, e.shape, e.dtype, produce)

@@ -10,18 +10,13 @@ trains while another loads). What is restored is the checkpoint layer's exact re
 optimizer states, scheduler, scaler, step counters, every rank's RNG); the data order follows
 from the step (`rank_batch` indexes batches by micro-step), so the resumed run sees the batches
 the uninterrupted run would have.
-
-Test hook (not a user option): `ZEROSHARD_TEST_KILL_AT=RANK:STEP` makes rank RANK kill itself
-with SIGKILL just before training step STEP (0-based), in torchrun's first attempt only
-(`TORCHELASTIC_RESTART_COUNT` 0), so a test can see a restart resume. See docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -29,9 +24,7 @@ from zeroshard.checkpoint.format import LATEST
 from zeroshard.checkpoint.reader import resolve
 from zeroshard.policies import ConfigError
 
-__all__ = ["KILL_ENV", "Resumed", "kill_hook", "resume"]
-
-KILL_ENV = "ZEROSHARD_TEST_KILL_AT"
+__all__ = ["Resumed", "restart_count", "resume"]
 
 
 class Resumed(dict):
@@ -80,26 +73,6 @@ def resume(engine, args: argparse.Namespace) -> Resumed | None:
     out.tag_dir = resolve(args.save)
     out.reason = _reason(args)
     return out
-
-
-def kill_hook(rank: int) -> Callable[[int], None]:
-    """The test hook's check for `rank`: a function of the step about to run (a no-op unless
-    ZEROSHARD_TEST_KILL_AT names this rank and this is torchrun's first attempt)."""
-    spec = os.environ.get(KILL_ENV, "")
-    if not spec:
-        return lambda step: None
-    try:
-        who, at = (int(part) for part in spec.split(":"))
-    except ValueError:
-        raise ConfigError(f"{KILL_ENV}={spec!r}: expected RANK:STEP, e.g. 1:6") from None
-    if who != rank or restart_count():
-        return lambda step: None
-
-    def check(step: int) -> None:
-        if step == at:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return check
 
 
 def describe(resumed: Resumed, steps: int) -> str:

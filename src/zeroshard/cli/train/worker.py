@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 
 import zeroshard
+from zeroshard import faults
 from zeroshard.cli import rank_guard
 from zeroshard.cli.train.args import add_train_arguments, resolve_defaults
 from zeroshard.cli.train.config import DEFAULT_STEPS_PER_PRINT, build_config
@@ -25,7 +26,7 @@ from zeroshard.cli.train.model import ModelSpecError, TrainModel, build_model
 from zeroshard.cli.train.report import RunRecord, gather_memory, make_progress, memory_line, summary_table, \
     write_report
 from zeroshard.cli.train.resources import ResourceLog
-from zeroshard.cli.train.resume import client_state, describe, kill_hook, resume
+from zeroshard.cli.train.resume import client_state, describe, restart_count, resume
 from zeroshard.policies import ZeroShardError
 
 
@@ -91,7 +92,7 @@ def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, ever
     rec.tokens_per_step *= args.seq_len
     progress = make_progress(console, args.steps, disable=engine.rank != 0)
     rank_guard.set_where(lambda: f"at step {rec.first_step + len(rec.losses)} of {args.steps}")
-    killed_before = kill_hook(engine.rank)  # a test hook; a no-op unless ZEROSHARD_TEST_KILL_AT is set
+    killed_before = faults.kill_hook(engine.rank, restart_count())  # a no-op unless a test arms it
     started = time.perf_counter()
     with progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=math.nan, tps=0.0)

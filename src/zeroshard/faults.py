@@ -1,0 +1,67 @@
+"""Fault injection for tests: the one place production code reads a test hook.
+
+`ZEROSHARD_FAULT=<point>:<argument>` arms one named point; unset (the normal case) every
+point is a no-op. Nothing else in zeroshard reads a test hook from the environment.
+
+    pause:<phase>       a checkpoint save announces `zeroshard-checkpoint-paused <phase>` on
+                        stderr and waits PAUSE_S there, so a test can kill it at that phase
+                        (prepared, rank_file, written, renamed, latest; checkpoint/save.py)
+    kill:<rank>:<step>  `zeroshard train`'s rank <rank> sends itself SIGKILL just before
+                        training step <step> (0-based), in torchrun's first attempt only
+
+Tests arm a point in a child's environment with `env.update(setting(point, argument))`.
+Documented in docs/reliability.md ("Fault injection").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Callable
+
+from zeroshard.policies import ConfigError
+
+__all__ = ["ENV", "KILL", "PAUSE", "PAUSE_S", "armed", "kill_hook", "pause", "setting"]
+
+ENV = "ZEROSHARD_FAULT"
+PAUSE, KILL = "pause", "kill"
+PAUSE_S = 120.0
+
+
+def setting(point: str, argument: str) -> dict[str, str]:
+    """The environment entry that arms `point` with `argument`."""
+    return {ENV: f"{point}:{argument}"}
+
+
+def armed(point: str) -> str | None:
+    """`point`'s argument when ZEROSHARD_FAULT arms it, else None (the one read of the environment)."""
+    name, _, argument = os.environ.get(ENV, "").partition(":")
+    return argument if name == point else None
+
+
+def pause(phase: str) -> None:
+    """Point `pause`: let a test kill a checkpoint save at `phase`: announce it, then wait."""
+    if armed(PAUSE) == phase:
+        os.write(2, f"zeroshard-checkpoint-paused {phase}\n".encode())  # one write: lines never interleave
+        time.sleep(PAUSE_S)
+
+
+def kill_hook(rank: int, restart: int) -> Callable[[int], None]:
+    """Point `kill` for `rank` in torchrun's attempt `restart`: a function of the step about to
+    run, a no-op unless the point names this rank and this is the first attempt (restart 0)."""
+    spec = armed(KILL)
+    if spec is None:
+        return lambda step: None
+    try:
+        who, at = (int(part) for part in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"{ENV}={KILL}:{spec}: expected RANK:STEP after '{KILL}:', e.g. {KILL}:1:6") from None
+    if who != rank or restart:
+        return lambda step: None
+
+    def check(step: int) -> None:
+        if step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return check
