@@ -53,3 +53,37 @@ def test_chunk_ranges_cover_exactly():
 def test_invalid_arguments_are_rejected():
     with pytest.raises(ValueError):
         plan_buckets(infos(1), bucket_numel=0, shard_count=1)
+
+
+def test_pack_keeps_one_open_bucket_per_key_and_lists_closed_ones_first():
+    from zeroshard.partition.layout import pack
+
+    assert pack([10, 20, 30, 40], 50) == [[3], [2, 1], [0]]
+    assert pack([5, 500, 5], 100) == [[2], [1], [0]]
+    # "b" closes a bucket while "a"'s stays open; the open ones follow, first seen first
+    assert pack([30, 1, 30, 1, 30], 50, keys="aabab") == [[4], [2], [3, 1, 0]]
+    assert pack([30, 1, 30, 1, 30], 50, keys="babab") == [[4], [2], [0], [3, 1]]
+    assert pack([], 10) == []
+
+
+def test_alignment_and_shard_count_rules():
+    from zeroshard.partition.layout import ALIGN_BYTES, alignment_for, shard_count_for
+    from zeroshard.policies import Stage
+
+    assert ALIGN_BYTES == 16 and alignment_for(4) == 4 and alignment_for(2) == 8 and alignment_for(32) == 1
+    assert [shard_count_for(stage, 8) for stage in Stage] == [1, 8, 8, 8] and shard_count_for(0, 8) == 1
+
+
+def test_sub_groups_are_consecutive_within_the_cap():
+    from zeroshard.partition.layout import sub_groups
+
+    assert sub_groups([3, 4, 5, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert sub_groups([], 8) == [] and sub_groups([9], 8) == [[0]]
+
+
+def test_gather_ranges_whole_or_in_chunks_of_cap_over_n():
+    from zeroshard.partition.layout import gather_ranges
+
+    assert gather_ranges(8, 16, 16, 2) == [(0, 8)]  # fits: one call for the whole bucket
+    assert gather_ranges(8, 16, 15, 2) == [(0, 7), (7, 8)]  # 15 // 2 = 7 elements of each shard
+    assert gather_ranges(3, 6, 1, 2) == [(0, 1), (1, 2), (2, 3)]  # never below one element

@@ -12,9 +12,9 @@ and never below one such unit. Every rank owns `padded / shard_count` elements o
 bucket. Collectives move whole padded buckets, so the exact element counts of
 `comm_stats()` are sums of padded sizes, and the sharded states are sums of shards.
 
-This module restates the rule from the engine's documented behaviour (it does not
-import the engine), so `tests/test_estimate_validation.py` can check both against each
-other. Assumes one dtype and one optimizer param group (the engine never mixes them in
+The rules are `zeroshard.partition.layout`'s, the functions the engine packs and pads its
+buckets with; this module applies them to parameter sizes alone (no tensors, no engine),
+and `tests/test_estimate_validation.py` checks the figures against a real engine. Assumes one dtype and one optimizer param group (the engine never mixes them in
 a bucket; with several groups, plan each group's parameters separately and add).
 Without a parameter list, `estimate_memory` / `estimate_comm` treat the model as
 Φ elements split evenly (`ceil(Φ / N)` per rank): the padding they then ignore is
@@ -23,76 +23,52 @@ below `buckets x N x alignment` elements, a few KB for any real model.
 
 from __future__ import annotations
 
-from zeroshard.partition.layout import offload_split  # noqa: F401  (re-exported for the estimator)
-
 from dataclasses import dataclass
 from typing import Sequence
 
+from zeroshard.partition import layout
+from zeroshard.partition.layout import ALIGN_BYTES, offload_split, padded_size  # noqa: F401  (re-exported)
 from zeroshard.policies import ConfigError, Precision, Stage
+
+from zeroshard.estimate.units import bytes_of
 
 __all__ = [
     "ALIGN_BYTES", "BucketPlan", "alignment_for", "bucket_numels", "padded_size", "plan_layout",
     "shard_count_for_stage", "sub_group_sums", "gather_chunks", "offload_split", "plan_stage3_layout",
 ]
 
-ALIGN_BYTES = 16  # each shard starts on a 16-byte boundary (vectorised kernels, NCCL)
-_ITEMSIZE = {Precision.FP32: 4, Precision.BF16: 2, Precision.FP16: 2}
-
 
 def alignment_for(precision: Precision | str) -> int:
     """Elements per alignment unit: 4 for fp32, 8 for bf16 / fp16."""
-    return max(1, ALIGN_BYTES // _ITEMSIZE[Precision(precision)])
+    return layout.alignment_for(bytes_of(precision))
 
 
 def shard_count_for_stage(stage: Stage | int, n: int) -> int:
     """Ways each bucket is split: stage 0 keeps everything whole on every rank."""
-    return 1 if Stage(stage) == Stage.DATA_PARALLEL else n
-
-
-def padded_size(numel: int, shard_count: int, alignment: int) -> int:
-    """Smallest size >= numel (and >= one unit) that is a multiple of shard_count x alignment."""
-    unit = shard_count * alignment
-    return max(unit, -(-numel // unit) * unit)
+    return layout.shard_count_for(stage, n)
 
 
 def bucket_numels(param_numels: Sequence[int], bucket_elements: int) -> list[int]:
-    """Elements of each bucket, in bucket order: parameters taken last first, a bucket
-    closed when the next parameter would overflow it; a parameter larger than the cap
-    sits alone."""
+    """Elements of each bucket, in bucket order (`partition.layout.pack`): parameters taken
+    last first, a bucket closed when the next parameter would overflow it; a parameter
+    larger than the cap sits alone."""
     if bucket_elements <= 0:
         raise ConfigError(f"reduce_bucket_size must be positive, got {bucket_elements}")
-    out: list[int] = []
-    used, open_ = 0, False
-    for numel in reversed(list(param_numels)):
+    numels = list(param_numels)
+    for numel in reversed(numels):
         if numel < 0:
             raise ConfigError(f"parameter sizes must not be negative, got {numel}")
-        if open_ and used + numel > bucket_elements:
-            out.append(used)
-            used = 0
-        used, open_ = used + numel, True
-    if open_:
-        out.append(used)
-    return out
+    return [sum(numels[i] for i in members) for members in layout.pack(numels, bucket_elements)]
 
 
 def sub_group_sums(sizes: Sequence[int], cap: int) -> list[int]:
-    """The optimizer steps consecutive shards in sub-groups of at most `cap` elements
-    (a larger one alone): the sum of each sub-group."""
-    out: list[int] = []
-    for size in sizes:
-        if not out or out[-1] + size > cap:
-            out.append(0)
-        out[-1] += size
-    return out
+    """The sum of each of the optimizer's sub-groups (`partition.layout.sub_groups`)."""
+    return [sum(sizes[i] for i in group) for group in layout.sub_groups(sizes, cap)]
 
 
 def gather_chunks(shard_numel: int, padded_numel: int, cap: int, n: int) -> int:
-    """All-gather calls to publish one bucket: one when its padded size fits
-    `allgather_bucket_size`, else one per chunk of `cap // n` elements of each shard (each
-    gathered straight into place: no staging buffer)."""
-    if padded_numel <= cap:
-        return 1
-    return -(-shard_numel // max(1, cap // n))
+    """All-gather calls to publish one bucket (`partition.layout.gather_ranges`)."""
+    return len(layout.gather_ranges(shard_numel, padded_numel, cap, n))
 
 
 @dataclass(frozen=True)
