@@ -1,6 +1,7 @@
 """LoRA fine-tuning of a transformers causal LM (peft) under ZeRO stage 3.
 
     python examples/finetune_lora.py                                 # one process
+    python examples/finetune_lora.py --steps 10 --save ckpt          # then: zeroshard export ckpt out --adapter-only
     zeroshard launch --nproc 2 examples/finetune_lora.py --steps 30  # two ranks
 
 The model is a tiny Llama built from a config (nothing is downloaded); for a real one,
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--save", metavar="DIR", help="save a checkpoint to DIR at the end (then: zeroshard export DIR OUT --adapter-only)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -61,6 +63,8 @@ def main() -> None:
         if engine.rank == 0 and (step + 1) % 10 == 0:
             print(f"step {step + 1}: loss {loss.item():.3f}", flush=True)
 
+    if args.save:
+        engine.save_checkpoint(args.save)  # records the peft config: `zeroshard export --adapter-only` needs nothing more
     mem = engine.memory_stats()
     if engine.rank == 0:
         print(f"parameters: {total:,}, trainable (LoRA): {adapters:,}")
@@ -69,7 +73,8 @@ def main() -> None:
         k = 8 if engine.train_state.compute_dtype == torch.float32 else 12
         print(f"held per rank (bytes): params {mem['params']:,} (all {total:,} x 4 / {engine.world_size}, "
               f"sharded), optimizer states {mem['optimizer_states']:,} ({k} x adapters / {engine.world_size})")
-        print(f"loss {sum(losses[:5]) / 5:.3f} -> {sum(losses[-5:]) / 5:.3f}")
+        first, last = losses[:5], losses[-5:]  # fewer than 5 when --steps is small
+        print(f"loss {sum(first) / len(first):.3f} -> {sum(last) / len(last):.3f}")
     engine.close()
 
 
