@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from zeroshard.checkpoint.deepspeed_reader import find_deepspeed_tag, summary as deepspeed_summary
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.policies import CheckpointError
 
 
 def inspect(ckpt_dir: str | os.PathLike, tag: str | None = None, verify: bool = True) -> dict[str, Any]:
-    """A report of the checkpoint; each file's `check` is "ok" or the problem found."""
+    """A report of the checkpoint; each file's `check` is "ok" or the problem found. A folder
+    DeepSpeed wrote gets the same report ("format": "deepspeed"; files checked by CRC-32)."""
+    if find_deepspeed_tag(ckpt_dir, tag) is not None:
+        return deepspeed_summary(ckpt_dir, tag, verify)
     with CheckpointReader(ckpt_dir, tag) as reader:
         meta = reader.meta
         files = []

@@ -4,6 +4,9 @@ Each rank fills its own fp32 master shards and optimizer states element range by
 element range from the recorded layout (`CheckpointReader.read`), whatever the saved
 world size, stage and bucket sizes were; the same code runs when nothing changed.
 Ranks agree after each phase, so a bad file on one rank fails every rank cleanly.
+
+A folder DeepSpeed wrote is read the same way, through `DeepSpeedCheckpoint`
+(checkpoint/deepspeed_reader), which maps DeepSpeed's flat partitions to parameters.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.reader import CheckpointReader
+from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint, open_checkpoint
+from zeroshard.checkpoint.deepspeed_reader import resume as deepspeed_resume
 from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, frozen_buckets, name_table_of
 from zeroshard.offload import readable, store_value
 from zeroshard.policies import CheckpointError
@@ -27,17 +32,21 @@ log = logging.getLogger("zeroshard")
 
 def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True) -> dict[str, Any]:
-    """Load a checkpoint saved by `save_checkpoint` (any world size, stage, bucket sizes) into
-    `engine`; call on every rank. Returns the saved `client_state`."""
+    """Load a checkpoint saved by `save_checkpoint`, or a folder DeepSpeed wrote (any world
+    size, stage, bucket sizes), into `engine`; call on every rank. Returns the saved
+    `client_state`."""
     ts = train_state_of(engine)
     device = ts.device
-    reader: CheckpointReader | None = None
+    reader: CheckpointReader | DeepSpeedCheckpoint | None = None
     error: BaseException | None = None
     try:
-        reader = CheckpointReader(load_dir, tag)
+        reader = open_checkpoint(load_dir, tag)
         check_model(reader, ts)
         if load_optimizer_states:
-            check_optimizer(reader, ts)
+            if isinstance(reader, DeepSpeedCheckpoint):
+                deepspeed_resume.check_optimizer(reader, ts)
+            else:
+                check_optimizer(reader, ts)
         files = sorted(f for f in reader.files if load_optimizer_states or ".optim." not in f)
         reader.verify(files[ts.rank :: ts.world_size])  # each file hashed by one rank
     except BaseException as exc:
@@ -51,7 +60,10 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
             load_module_tensors(reader, ts)
             if load_optimizer_states:
                 load_optimizer(reader, ts)
-        _load_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
+        if isinstance(reader, DeepSpeedCheckpoint):
+            deepspeed_resume.apply_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
+        else:
+            _load_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
     except BaseException as exc:
         error = exc
     finally:

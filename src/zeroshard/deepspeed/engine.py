@@ -15,7 +15,8 @@ DeepSpeed's arguments and return values:
   `client_state` is stored as JSON (zeroshard never pickles), so it must be JSON-like.
 - `load_checkpoint(...)` returns `(path, client_state)`, and `(None, None)` with a warning
   when there is nothing to load, as DeepSpeed does. It loads checkpoints of any world
-  size and stage (zeroshard reshards on load).
+  size and stage (zeroshard reshards on load), zeroshard's own or a folder DeepSpeed
+  wrote (docs/deepspeed-migration.md); for the latter `path` is its model-states file.
 - `save_16bit_model(save_dir, save_filename)` writes safetensors, never a pickle: a
   `.bin` (or other non-safetensors) name is written as `model.safetensors`, with a note.
 """
@@ -31,6 +32,7 @@ import weakref
 
 from torch import nn
 
+from zeroshard.checkpoint.deepspeed_reader import find_deepspeed_tag
 from zeroshard.checkpoint.files import write_small
 from zeroshard.checkpoint.format import LATEST, META, OLD_PREFIX
 from zeroshard.checkpoint.reader import resolve
@@ -263,7 +265,8 @@ class DeepSpeedEngine(nn.Module):
         if not load_module_strict and engine.rank == 0:
             log.info("load_checkpoint: load_module_strict=False is accepted, but zeroshard still requires the "
                      "checkpoint's parameter names and shapes to match the model")
-        path = resolve(load_dir, tag)
+        ds_tag = find_deepspeed_tag(load_dir, tag)
+        path = resolve(load_dir, tag) if ds_tag is None else _deepspeed_model_file(ds_tag)
         counters = (engine.global_steps, engine.micro_steps, engine.skipped_steps)
         if load_module_only:
             load_optimizer_states = load_lr_scheduler_states = False
@@ -307,9 +310,19 @@ class DeepSpeedEngine(nn.Module):
     save_fp16_model = save_16bit_model
 
 
+def _deepspeed_model_file(tag_dir: str) -> str:
+    """What DeepSpeed's load_checkpoint returns as its path: the rank-0 model-states file."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if os.path.isfile(os.path.join(tag_dir, name)):
+            return os.path.join(tag_dir, name)
+    return tag_dir
+
+
 def _nothing_to_load(load_dir: str, tag: str | None) -> bool:
     if not os.path.isdir(load_dir):
         return True
+    if find_deepspeed_tag(load_dir, tag) is not None:
+        return False
     if tag is None:
         return not (os.path.isfile(os.path.join(load_dir, LATEST)) or os.path.isfile(os.path.join(load_dir, META)))
     return not (os.path.isdir(os.path.join(load_dir, tag)) or os.path.isdir(os.path.join(load_dir, OLD_PREFIX + tag)))
