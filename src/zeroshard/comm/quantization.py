@@ -1,5 +1,5 @@
-"""Block-wise symmetric quantization for ZeRO++ (qwZ int8, qgZ int4 / int8): vectorized
-torch ops, no Python loop over blocks. The blocking (comm.blocks.plan_blocks): rows cut in
+"""Block-wise symmetric quantization for ZeRO++ (qwZ int8, qgZ int4 / int8) in plain torch
+ops. The blocking (comm.blocks.plan_blocks): rows cut in
 equal blocks, the last padded with zeros. Each block keeps one fp32 scale, `absmax / qmax`
 (qmax 127 for int8, 7 for int4), and values are rounded to the nearest step: the error of an
 element is at most scale / 2 = absmax / (2 qmax) of its block.
@@ -9,9 +9,17 @@ exactly, and nothing is cast to fp16 (DeepSpeed's kernels cast bf16 to fp16, whi
 overflows above 65504). An all-zero block gets scale 0 and dequantizes to zeros; a
 non-finite value makes its block's scale non-finite, so an overflow stays visible
 after dequantization instead of being clipped away.
+
+Speed (bench/bench_quantize.py, bench/RESULTS.md): quantization walks the blocks in chunks of
+about CHUNK_ELEMENTS values, so the second read of a chunk (absmax, then scale and round) and
+its fp32 working buffer stay in cache and no full-size float temporary is allocated; the
+payload is written in place. Dequantization converts the payload straight into the caller's
+output (`out=`) and scales it there: one write of the output, no temporary of its size.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -19,41 +27,121 @@ from zeroshard.comm.blocks import QMAX as _QMAX
 from zeroshard.comm.blocks import Blocks
 
 
-def quantize(x: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+CHUNK_ELEMENTS = 1 << 17  # values per pass: 512 KiB of fp32 working buffer, one core's L2
+
+
+class _Work:
+    """The fp32 buffers a (de)quantization reuses for every chunk of `per` blocks, kept per
+    thread and device between calls: a fresh megabyte per call costs its page faults."""
+
+    _local = threading.local()
+
+    def __init__(self, values: torch.Tensor, small: torch.Tensor) -> None:
+        self.values, self.small = values, small
+
+    @classmethod
+    def get(cls, per: int, size: int, device: torch.device) -> "_Work":
+        cache = cls._local.__dict__.setdefault("buffers", {})
+        have = cache.get(device)
+        if have is None or have.values.numel() < per * size or have.small.shape[1] < per:
+            have = cls(torch.empty(max(per * size, CHUNK_ELEMENTS), dtype=torch.float32, device=device),
+                       torch.empty(2, max(per, 64), dtype=torch.float32, device=device))
+            cache[device] = have
+        return have
+
+    def block_view(self, b: int, size: int) -> torch.Tensor:
+        return self.values[: b * size].view(b, size)
+
+
+def _quantize_chunk(v: torch.Tensor, qmax: int, scales: torch.Tensor, q: torch.Tensor, work: _Work) -> None:
+    """Blocks `v` (b, size) of one chunk: their scales into `scales` (b,), their rounded
+    values into `q` (b, size; int8). Every pass after the first reads the chunk from cache."""
+    b, size = v.shape
+    f = work.block_view(b, size)
+    if v.dtype != torch.float32:  # bf16 / fp16 -> fp32 once (exact), then fp32 passes
+        v = f.copy_(v)
+    low, inv = work.small[0, :b], work.small[1, :b]
+    torch.amax(v, dim=1, out=scales)  # absmax = max(max, -min): two fast reductions, no |v|
+    torch.amin(v, dim=1, out=low)     # temporary (NaN and inf propagate into the scale)
+    torch.maximum(scales, low.neg_(), out=scales)
+    scales.div_(qmax)
+    # 1 / scale, 0 where the scale is 0 (an all-zero block quantizes to zeros) or not finite
+    # (the block's values do not matter: its scale carries the overflow)
+    torch.reciprocal(scales, out=inv).nan_to_num_(nan=0.0, posinf=0.0)
+    torch.mul(v, inv.unsqueeze(1), out=f)
+    # |v| <= absmax, so |v / scale| <= qmax (to within an ulp): rounding keeps it in range, no clamp
+    q.copy_(f.round_())
+
+
+def _dequantize_chunk(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, work: _Work) -> None:
+    """`out` (b, size) = `q` (b, size; int8) x `scales` (b,), computed in fp32."""
+    if out.dtype == torch.float32:
+        out.copy_(q).mul_(scales.unsqueeze(1))  # int8 -> fp32 exact, then scaled in cache
+    else:
+        out.copy_(work.block_view(*q.shape).copy_(q).mul_(scales.unsqueeze(1)))  # fp32, rounded once
+
+
+def _chunks(count: int, size: int) -> tuple[int, range]:
+    per = max(1, min(count, CHUNK_ELEMENTS // size))
+    return per, range(0, count, per)
+
+
+def quantize(x: torch.Tensor, blocks: Blocks,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`x`: (rows, n) or (n,). Returns (payload, scales): payload int8 of shape
     (rows, payload_bytes) (int4: two values per byte, low nibble first, stored as int8 bits),
-    scales fp32 (rows, count)."""
+    scales fp32 (rows, count); written into `out` (payload, scales) of those shapes when given
+    (int8 only: int4 packs into a new tensor)."""
     rows = x.reshape(-1, blocks.n)
-    r = rows.shape[0]
-    if blocks.padded == blocks.n:
-        v = rows.view(r, blocks.count, blocks.size)  # read as it is; the fp32 math below copies once
+    r, count, size, n = rows.shape[0], blocks.count, blocks.size, blocks.n
+    if out is not None and blocks.bits == 8:
+        values, scales = out[0].view(r, blocks.padded), out[1].view(r, count)
     else:
-        v = torch.zeros(r, blocks.padded, dtype=torch.float32, device=x.device)
-        v[:, : blocks.n] = rows  # fp32: exact for bf16 and fp32 inputs
-        v = v.view(r, blocks.count, blocks.size)
-    qmax = _QMAX[blocks.bits]
-    scales = v.abs().amax(dim=2).float() / qmax  # the absmax of bf16 values is a bf16 value: exact
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    q = torch.mul(v, inv.unsqueeze(2))  # fp32 (inv is fp32): the one full-size float temporary
-    q.round_().clamp_(-qmax, qmax)
+        scales = torch.empty(r, count, dtype=torch.float32, device=x.device)
+        values = torch.empty(r, blocks.padded, dtype=torch.int8, device=x.device)  # int4: unpacked first
+    per, starts = _chunks(count, size)
+    work, qmax = _Work.get(per, size, x.device), _QMAX[blocks.bits]
+    full = count if blocks.padded == n else count - 1  # blocks with no padding
+    for i in range(r):
+        v, qv = rows[i, : full * size].view(full, size), values[i, : full * size].view(full, size)
+        for lo in starts:
+            hi = min(full, lo + per)
+            if lo < hi:
+                _quantize_chunk(v[lo:hi], qmax, scales[i, lo:hi], qv[lo:hi], work)
+        if full < count:  # the last block, padded with zeros (fp32: exact for bf16 and fp32)
+            tail = torch.zeros(1, size, dtype=torch.float32, device=x.device)
+            tail[0, : n - full * size] = rows[i, full * size :]
+            _quantize_chunk(tail, qmax, scales[i, full:], values[i, full * size :].view(1, size), work)
     if blocks.bits == 8:
-        return q.to(torch.int8).view(r, blocks.padded), scales
-    u = q.add_(8).to(torch.uint8).view(r, blocks.padded // 2, 2)  # 1..15: fits a nibble
-    packed = u[:, :, 0] | (u[:, :, 1] << 4)
-    return packed.view(torch.int8), scales
+        return values, scales
+    u = values.add_(8).view(torch.uint8).view(r, blocks.padded // 2, 2)  # 1..15: fits a nibble
+    packed = torch.bitwise_left_shift(u[:, :, 1], 4)
+    return packed.bitwise_or_(u[:, :, 0]).view(torch.int8), scales
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize`: (rows, n) in `dtype` (computed in fp32)."""
-    r = scales.shape[0]
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `quantize`: (rows, n) in `dtype` (computed in fp32), written into `out`
+    ((rows, n) of `dtype`, e.g. the all-gather's output) when given."""
+    r, count, size, n = scales.shape[0], blocks.count, blocks.size, blocks.n
+    out = torch.empty(r, n, dtype=dtype, device=payload.device) if out is None else out.view(r, n)
     if blocks.bits == 8:
-        q = payload.reshape(r, blocks.padded).to(torch.float32)
+        q = payload.reshape(r, blocks.padded)
     else:
         u = payload.reshape(r, blocks.padded // 2).view(torch.uint8)
-        q = torch.empty(r, blocks.padded // 2, 2, dtype=torch.float32, device=payload.device)
-        q[:, :, 0].copy_(u & 15)
-        q[:, :, 1].copy_(u >> 4)
-        q = q.view(r, blocks.padded).sub_(8)
-    v = q.view(r, blocks.count, blocks.size).mul_(scales.unsqueeze(2))
-    return v.view(r, blocks.padded)[:, : blocks.n].to(dtype)
+        q = torch.empty(r, blocks.padded // 2, 2, dtype=torch.uint8, device=payload.device)
+        torch.bitwise_and(u, 15, out=q[:, :, 0])
+        torch.bitwise_right_shift(u, 4, out=q[:, :, 1])
+        q = q.view(torch.int8).view(r, blocks.padded).sub_(8)
+    per, starts = _chunks(count, size)
+    work = _Work.get(per, size, payload.device) if out.dtype != torch.float32 else None
+    full = count if blocks.padded == n else count - 1
+    for i in range(r):
+        o, qi = out[i, : full * size].view(full, size), q[i, : full * size].view(full, size)
+        for lo in starts:
+            hi = min(full, lo + per)
+            if lo < hi:
+                _dequantize_chunk(qi[lo:hi], scales[i, lo:hi], o[lo:hi], work)
+        if full < count:
+            out[i, full * size :] = q[i, full * size : n].float().mul_(scales[i, full:])
+    return out
