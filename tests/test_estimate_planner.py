@@ -43,7 +43,9 @@ def test_nvme_when_host_memory_is_short():
 
 def test_zeropp_chosen_when_inter_node_link_is_the_bottleneck():
     work = Workload(seq=2048, micro_batch=1)
-    slow = plan(shape_from_params("175B"), cluster(64, 8, gpu="a100-40gb", link="efa-p4d"), work)
+    # 100 Gb/s per node: ZeRO++ saves more than its quantization costs (test_estimate_quantization);
+    # at 400 Gb/s (efa-p4d) it no longer does for this model
+    slow = plan(shape_from_params("175B"), cluster(64, 8, gpu="a100-40gb", link="roce-100g"), work)
     assert slow.winner.strategy.stage == Stage.PARAMETERS and slow.winner.strategy.zeropp
     fast = plan(shape_from_params("175B"), cluster(64, 8, gpu="a100-40gb", link="ib-ndr-8x"), work)
     assert not fast.winner.strategy.zeropp

@@ -23,6 +23,10 @@ bytes follow the engine's blocking (`comm.blocks.plan_blocks`: a row of r values
 ceil(r / 2048) equal blocks, padded, one fp32 scale each): qwZ blocks each rank's shard,
 qgZ's hop 1 each of the k parts of a bucket (P/k values), hop 2 each of the M rows (P/N).
 
+Quantization (`Collective.codec_bytes`): a quantized collective quantizes what it sends and
+dequantizes what it receives, on the device that computes; the time model charges those
+bytes at the quantize + dequantize rate (timing.QUANTIZE_BW).
+
 Scope (`CommEstimate.sent_by_scope`, what `engine.comm_stats(by_scope=True)` records): a
 collective counts wholly as inter-node when its group spans nodes (the world group on
 more than one node), as intra-node when it stays in one (hpZ's backward gather, qgZ's
@@ -78,6 +82,9 @@ class Collective:
     inter_bytes: int  # of sent_bytes, between nodes
     overlappable: bool  # can hide behind compute (bucketed during backward, or prefetched)
     scope: str = "world"  # the group it runs on: "world", "node" (inside one node), "two_hop" (qgZ)
+    # ZeRO++: bytes of 16/32-bit values this rank quantizes plus those it dequantizes per step
+    # (qwZ: its shard, then the whole gathered bucket; qgZ: both hops); 0 when not quantized
+    codec_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,9 +171,9 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
     out: list[Collective] = []
 
     def add(phase, op, what, calls, elements, payload, overlap, group_nodes=nodes, group_per_node=gpus_per_node,
-            dtype_=dtype, split=None, launches=1, scope="world"):
+            dtype_=dtype, split=None, launches=1, scope="world", codec=0):
         """`calls` repeats per step of a whole-model collective of `elements`, issued as
-        `launches` collectives (buckets) each time."""
+        `launches` collectives (buckets) each time; `codec`: bytes quantized + dequantized per call."""
         factor = 2 if op == "all_reduce" else 1
         if split is None:
             intra, inter = ring_split(payload, group_nodes, group_per_node)
@@ -177,7 +184,7 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
                               elements=elements * calls, bytes=int(payload) * calls,
                               paper_elements=factor * elements * calls, sent_bytes=(intra + inter) * calls,
                               intra_bytes=intra * calls, inter_bytes=inter * calls, overlappable=overlap,
-                              scope=scope))
+                              scope=scope, codec_bytes=int(codec) * calls))
 
     if s.stage == Stage.DATA_PARALLEL:
         add("backward", "all_reduce", "gradients", 1, padded, gb * padded, s.overlap_comm, launches=buckets)
@@ -195,10 +202,11 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
         if hp > 1 and gpus_per_node % hp:
             raise ConfigError(f"zero_hpz_partition_size {hp} must divide gpus per node {gpus_per_node}")
         qwz_bytes = sum(_quantized_bytes(b, QWZ_BITS, n) for b in gathered_buckets)
+        qwz_codec = pb * sum(b // n + b for b in gathered_buckets)  # quantize the shard, dequantize the whole
         n_units = len(gathered_buckets) if layout is not None else 1
         if s.quantized_weights:
             add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered, qwz_bytes, True,
-                dtype_="int8", launches=n_units)
+                dtype_="int8", launches=n_units, codec=qwz_codec)
         else:
             add("forward", "all_gather", "parameters", gas, gathered, pb * gathered, True, launches=n_units)
         if hp > 1:
@@ -206,7 +214,7 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
                 pb * gathered, True, group_nodes=1, group_per_node=hp, scope="node", launches=n_units)
         elif s.quantized_weights:
             add("backward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered, qwz_bytes, True,
-                dtype_="int8", launches=n_units)
+                dtype_="int8", launches=n_units, codec=qwz_codec)
         else:
             add("backward", "all_gather", "parameters", gas, gathered, pb * gathered, True, launches=n_units)
         if s.quantized_gradients and n > 1:
@@ -216,8 +224,12 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
             hop2 = sum(_quantized_bytes(b // k_, QGZ_BITS, m_) for b in reduced) if m_ > 1 else 0
             intra = hop1 * (k_ - 1) // k_
             inter = hop2 * (m_ - 1) // m_
+            # hop 1 quantizes the bucket and dequantizes the k parts received (the bucket's size
+            # again); hop 2 the same with the node's 1/k slice; a hop inside a group of one is a copy
+            qgz_codec = gb * sum((2 * b if k_ > 1 else 0) + (2 * (b // k_) if m_ > 1 else 0) for b in reduced)
             add("backward", "all_to_all", f"gradients (qgZ int{QGZ_BITS}, 2-hop)", gas, padded, hop1 + hop2, True,
-                dtype_=f"int{QGZ_BITS}", split=(intra, inter), scope="two_hop", launches=2 * len(reduced))
+                dtype_=f"int{QGZ_BITS}", split=(intra, inter), scope="two_hop", launches=2 * len(reduced),
+                codec=qgz_codec)
         else:
             add("backward", "reduce_scatter", "gradients", gas, padded, gb * padded, True, launches=len(reduced))
     if s.stage >= Stage.OPTIMIZER_STATES and (s.compute_grad_norm or s.precision == Precision.FP16) and n > 1:

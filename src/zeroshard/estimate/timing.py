@@ -8,6 +8,11 @@ inter-node hops in sequence; collectives that overlap (bucketed reduce during
 backward, stage-3 prefetch) hide behind the compute of their phase.
 offload: PCIe copies, the CPU optimizer (bound by host memory bandwidth) and NVMe
 reads/writes of the partitions, added without overlap (a conservative bound).
+quantization (ZeRO++ qwZ / qgZ): every byte of a 16/32-bit tensor a quantized collective
+quantizes or dequantizes (`Collective.codec_bytes`) costs 1 / (2 x QUANTIZE_BW) seconds, on the
+device that computes and without overlap: it competes with compute for the same cores or SMs.
+So ZeRO++ wins only where the link time it saves exceeds that, and the planner (which ranks
+by `step`) does not recommend it where it loses.
 """
 
 from __future__ import annotations
@@ -20,16 +25,25 @@ from zeroshard.estimate.comm import CommEstimate
 from zeroshard.estimate.hardware import ACHIEVED_LINK_FRACTION, Cluster
 from zeroshard.estimate.memory import Strategy, shard
 from zeroshard.estimate.model_size import ModelShape
-from zeroshard.estimate.units import FP32_BYTES
+from zeroshard.estimate.units import FP32_BYTES, GB
 
 __all__ = ["TimeEstimate", "estimate_time", "flops_per_token", "FLOPS_PER_PARAM_PER_TOKEN",
-           "RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN", "ATTENTION_FLOPS_COEF", "BACKWARD_FRACTION"]
+           "RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN", "ATTENTION_FLOPS_COEF", "BACKWARD_FRACTION", "QUANTIZE_BW",
+           "quantization_seconds"]
 
 FLOPS_PER_PARAM_PER_TOKEN = 6  # 2 forward + 4 backward (Kaplan et al. 2020, sec. 2.1)
 RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN = 2  # one more forward under activation checkpointing
 FROZEN_SKIPPED_FLOPS_PER_PARAM_PER_TOKEN = 2  # no weight gradient for a frozen parameter
 ATTENTION_FLOPS_COEF = 12  # 12 * L * h * s per token (nanoGPT estimate_mfu; PaLM appendix B)
 BACKWARD_FRACTION = 2 / 3  # share of the step's compute in backward
+# ZeRO++'s quantize + dequantize rate on the device that computes, in bytes of the 16/32-bit
+# tensor per second: bench/bench_quantize.py's "q+dq" (the input over quantize time plus
+# dequantize time). zeroshard quantizes with plain torch ops, about 7 passes over the tensor
+# (~40 bytes of memory traffic per fp32 element for quantize + dequantize), so on a GPU about
+# HBM bandwidth x 4 / 40: ~150 GB/s on an A100 (1.6 TB/s), ~300 GB/s on an H100 (not measured:
+# no GPU here); 100 GB/s is the stated figure. On this repository's 2-core CPU, measured:
+# 1.3-2.2 GB/s fp32, 0.3-1 GB/s bf16 (bench/RESULTS.md, ZeRO++ section): pass `quantize_bw`.
+QUANTIZE_BW = 100 * GB
 
 
 def flops_per_token(shape: ModelShape, seq: int, checkpointing: bool) -> float:
@@ -54,10 +68,11 @@ class TimeEstimate:
     cpu_optimizer: float
     nvme: float
     tokens_per_step: int  # all ranks
+    quantization: float = 0.0  # ZeRO++ quantize + dequantize (qwZ, qgZ), not overlapped
 
     @property
     def step(self) -> float:
-        return self.compute + self.comm_exposed + self.pcie + self.cpu_optimizer + self.nvme
+        return self.compute + self.comm_exposed + self.pcie + self.cpu_optimizer + self.nvme + self.quantization
 
     @property
     def tokens_per_second(self) -> float:
@@ -67,8 +82,20 @@ class TimeEstimate:
         return {**asdict(self), "step": self.step, "tokens_per_second": self.tokens_per_second}
 
 
+def quantization_seconds(comm: CommEstimate, quantize_bw: float | None = None) -> float:
+    """Seconds per step one rank spends quantizing and dequantizing (ZeRO++): each byte of
+    `codec_bytes` at half the quantize + dequantize rate (`QUANTIZE_BW` unless given)."""
+    rate = QUANTIZE_BW if quantize_bw is None else quantize_bw
+    if rate <= 0:
+        raise ValueError(f"quantize + dequantize rate must be positive, got {rate}")
+    return sum(col.codec_bytes for col in comm.collectives) / (2 * rate)
+
+
 def estimate_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, comm: CommEstimate, seq: int,
-                  micro_batch: int, gradient_accumulation_steps: int = 1) -> TimeEstimate:
+                  micro_batch: int, gradient_accumulation_steps: int = 1,
+                  quantize_bw: float | None = None) -> TimeEstimate:
+    """`quantize_bw`: ZeRO++'s quantize + dequantize rate in bytes/s (default `QUANTIZE_BW`,
+    read when called)."""
     s, c, gas = strategy, cluster, gradient_accumulation_steps
     n, k_node = c.world_size, c.gpus_per_node
     tokens_rank = micro_batch * seq * gas
@@ -110,4 +137,4 @@ def estimate_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, comm:
             nvme += k_node * s.param_bytes * (own_params * fetches + own) / c.nvme_bw
     return TimeEstimate(compute=compute, comm_total=comm_intra + comm_inter, comm_intra=comm_intra,
                         comm_inter=comm_inter, comm_exposed=exposed, pcie=pcie, cpu_optimizer=cpu, nvme=nvme,
-                        tokens_per_step=tokens_rank * n)
+                        tokens_per_step=tokens_rank * n, quantization=quantization_seconds(comm, quantize_bw))
