@@ -526,9 +526,13 @@ def test_stage3_aliases_both_ways(prefixed):
     from zeroshard.config.schema import RootConfig
     from zeroshard.config.normalize import normalize
     data, _ = normalize({"zero_optimization": {"stage": 3, **zero, "leaf_module": {"classes": ["Block"]}}}, None)
-    s3 = zero_policy(RootConfig.model_validate(data).zero).stage3
+    validated = RootConfig.model_validate(data).zero
+    s3 = zero_policy(validated).stage3
     assert (s3.prefetch_bucket_size, s3.param_persistence_threshold, s3.max_live_parameters) == (123, 456, 8)
-    assert s3.gather_16bit_weights_on_model_save and s3.allgather_sequential and s3.unit_classes == ("Block",)
+    assert s3.gather_16bit_weights_on_model_save and s3.unit_classes == ("Block",)
+    # accepted and validated, not acted on (no policy field): DeepSpeed's tuning knobs
+    assert (validated.module_granularity_threshold, validated.use_all_reduce_for_fetch_params,
+            validated.allgather_sequential) == (10, True, True)
 
 
 def test_deprecated_zero_keys_are_mapped_with_notes():
@@ -661,8 +665,9 @@ def test_comms_logger_runtime_and_pass_through():
                                       "prof_ops": ["all_reduce"]},
                      "zeroshard": {"comm_timeout_s": 30, "cast_forward_inputs": False},
                      "steps_per_print": 10, "wall_clock_breakdown": True}, 1)
-    c = s.comms_logger
-    assert (c.enabled, c.verbose, c.prof_all, c.debug, c.prof_ops) == (True, True, False, False, ("all_reduce",))
+    # only `enabled` acts; the rest of DeepSpeed's block is accepted and kept in raw
+    assert s.comms_logger.enabled is True
+    assert s.raw["comms_logger"] == {"enabled": True, "verbose": True, "prof_all": False, "prof_ops": ["all_reduce"]}
     assert s.runtime.comm_timeout_s == 30.0 and s.runtime.cast_forward_inputs is False
     assert s.steps_per_print == 10 and s.wall_clock_breakdown is True
 
@@ -732,3 +737,41 @@ def test_block_at_wrong_level_says_where_it_belongs():
 
 def test_non_string_key():
     assert "key 1 at top level is not a string" in _error({1: 2})
+
+
+def test_a_key_left_out_gets_its_policy_default():
+    """Each knob's default is declared once, on its policy: a config that leaves a block or a
+    key out runs on exactly the policy's default (and the estimator prices the same one)."""
+    import dataclasses
+
+    from zeroshard.policies import (
+        ActivationOffloadPolicy, AioPolicy, CommsLoggerPolicy, LossScalePolicy, OffloadDevice, RuntimePolicy,
+        Stage, Stage3Policy, ZeroPolicy,
+    )
+
+    s = load_config({"train_batch_size": 1}, 1)
+    assert s.zero == ZeroPolicy() and s.aio == AioPolicy() and s.runtime == RuntimePolicy()
+    assert s.comms_logger == CommsLoggerPolicy() and s.activations == ActivationOffloadPolicy()
+    s = load_config({"train_batch_size": 1, "fp16": {"enabled": True}, "aio": {}, "zeroshard": {},
+                     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                           "offload_param": {"device": "cpu"}}}, 1)
+    default = ZeroPolicy()
+    assert s.zero == dataclasses.replace(
+        default, stage=Stage.PARAMETERS,
+        offload_optimizer=dataclasses.replace(default.offload_optimizer, device=OffloadDevice.CPU),
+        offload_param=dataclasses.replace(default.offload_param, device=OffloadDevice.CPU))
+    assert s.zero.stage3 == Stage3Policy() and s.zero.offload_param.buffer_count == 5
+    assert s.precision.loss_scale == LossScalePolicy() and s.aio == AioPolicy() and s.runtime == RuntimePolicy()
+
+    from zeroshard.estimate import Strategy
+
+    est = Strategy()
+    assert (est.reduce_bucket_size, est.allgather_bucket_size, est.overlap_comm, est.compute_grad_norm,
+            est.sub_group_size, est.hpz_partition_size, est.offload_ratio) == (
+        default.reduce_bucket_size, default.allgather_bucket_size, default.overlap_comm, default.compute_grad_norm,
+        default.sub_group_size, default.zeropp.hpz_partition_size, default.offload_optimizer.ratio)
+    assert (est.prefetch_bucket_size, est.max_live_parameters) == (
+        default.stage3.prefetch_bucket_size, default.stage3.max_live_parameters)
+    assert (est.optimizer_buffer_count, est.param_buffer_count, est.param_buffer_size, est.activation_buffer_count) == (
+        default.offload_optimizer.buffer_count, default.offload_param.buffer_count, default.offload_param.buffer_size,
+        ActivationOffloadPolicy().buffer_count)

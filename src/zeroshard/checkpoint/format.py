@@ -52,7 +52,6 @@ _DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
-_FROM_CODE = {v: k for k, v in _DTYPES.items()}
 
 
 def rank_file(rank: int, field: str = "value") -> str:
@@ -76,13 +75,6 @@ def dtype_code(dtype: torch.dtype) -> str:
     except KeyError:
         raise CheckpointError(f"cannot store tensors of dtype {dtype} (supported: "
                               f"{', '.join(str(d) for d in _DTYPES)})") from None
-
-
-def dtype_of(code: str) -> torch.dtype:
-    try:
-        return _FROM_CODE[code]
-    except KeyError:
-        raise CheckpointError(f"unknown dtype code {code!r} in checkpoint") from None
 
 
 def check_tag(tag: str) -> str:

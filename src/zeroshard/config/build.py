@@ -39,9 +39,9 @@ def precision_policy(config: RootConfig) -> PrecisionPolicy:
     return PrecisionPolicy(compute=Precision.FP32, reduce=comm or Precision.FP32)
 
 
-def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, buffer_count: int) -> OffloadPolicy:
+def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, default: OffloadPolicy) -> OffloadPolicy:
     if block is None:
-        return OffloadPolicy(buffer_count=buffer_count)
+        return default
     extra: dict[str, Any] = {}
     if isinstance(block, OffloadParamConfig):
         extra = {"buffer_size": block.buffer_size, "max_in_cpu": block.max_in_cpu}
@@ -69,15 +69,12 @@ def _stage3(zero: ZeroConfig) -> Stage3Policy:
         max_live_parameters=zero.max_live_parameters,
         max_reuse_distance=zero.max_reuse_distance,
         gather_16bit_weights_on_model_save=zero.gather_16bit_weights_on_model_save,
-        module_granularity_threshold=zero.module_granularity_threshold,
-        use_all_reduce_for_fetch_params=zero.use_all_reduce_for_fetch_params,
-        allgather_sequential=zero.allgather_sequential,
         unit_classes=tuple(zero.leaf_module.classes) if zero.leaf_module else (),
     )
 
 
 def zero_policy(zero: ZeroConfig) -> ZeroPolicy:
-    stage = zero.stage
+    stage, default = zero.stage, ZeroPolicy()
     zeropp = ZeroPlusPlusPolicy(
         quantized_weights=zero.zero_quantized_weights,
         quantized_nontrainable_weights=zero.zero_quantized_nontrainable_weights,
@@ -88,14 +85,14 @@ def zero_policy(zero: ZeroConfig) -> ZeroPolicy:
         stage=Stage(stage),
         reduce_bucket_size=zero.reduce_bucket_size,
         allgather_bucket_size=zero.allgather_bucket_size,
-        overlap_comm=True if zero.overlap_comm is None else zero.overlap_comm,
+        overlap_comm=default.overlap_comm if zero.overlap_comm is None else zero.overlap_comm,
         contiguous_gradients=zero.contiguous_gradients,
         reduce_scatter=zero.reduce_scatter,
         sub_group_size=zero.sub_group_size,
         ignore_unused_parameters=zero.ignore_unused_parameters,
         compute_grad_norm=zero.compute_grad_norm,
-        offload_optimizer=_offload(zero.offload_optimizer if stage >= 1 else None, 4),
-        offload_param=_offload(zero.offload_param if stage == 3 else None, 5),
+        offload_optimizer=_offload(zero.offload_optimizer if stage >= 1 else None, default.offload_optimizer),
+        offload_param=_offload(zero.offload_param if stage == 3 else None, default.offload_param),
         stage3=_stage3(zero) if stage == 3 else Stage3Policy(),
         zeropp=zeropp if stage == 3 else ZeroPlusPlusPolicy(),
     )
@@ -177,9 +174,7 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
     if config.scheduler is not None:
         scheduler = SchedulerSpec(type=config.scheduler.type, params=_without_auto(config.scheduler.params))
     logger = config.comms_logger
-    comms = (CommsLoggerPolicy(enabled=logger.enabled, verbose=logger.verbose, prof_all=logger.prof_all,
-                               debug=logger.debug, prof_ops=tuple(logger.prof_ops))
-             if logger is not None else CommsLoggerPolicy())
+    comms = CommsLoggerPolicy(enabled=logger.enabled) if logger is not None else CommsLoggerPolicy()
     runtime = config.zeroshard
     return Settings(
         batch=batch,

@@ -12,12 +12,12 @@ Runs before validation, on a deep copy of the user's dict:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from zeroshard.config.fields import Section, is_free_dict, section_of
 from zeroshard.config.schema import RootConfig
 from zeroshard.config.zero_schema import STAGE3_ALIASES
-from zeroshard.policies import ConfigError
+from zeroshard.policies import HIDDEN_SIZE_AUTO, ConfigError, ZeroPolicy
 
 REMOVED_TOP_KEYS = (
     "nebula", "compression_training", "amp", "quantize_training", "sparse_gradients", "eigenvalue",
@@ -25,12 +25,6 @@ REMOVED_TOP_KEYS = (
 )
 REMOVED_ZERO_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
 
-# Hugging Face's "auto" heuristics from the model's hidden size h (transformers/integrations/deepspeed.py).
-HIDDEN_SIZE_AUTO: dict[str, Callable[[int], int]] = {
-    "reduce_bucket_size": lambda h: h * h,
-    "prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "param_persistence_threshold": lambda h: 10 * h,
-}
 
 
 def _is_auto(value: Any) -> bool:
@@ -89,7 +83,7 @@ def _legacy_top(data: dict, notes: list[str], renames: dict) -> None:
     if isinstance(zero, bool):
         block: dict[str, Any] = {"stage": 1 if zero else 0}
         if zero:
-            block["allgather_bucket_size"] = data.pop("allgather_size", 500_000_000)
+            block["allgather_bucket_size"] = data.pop("allgather_size", ZeroPolicy.allgather_bucket_size)
         data["zero_optimization"] = block
         notes.append(f'legacy "zero_optimization": {str(zero).lower()} read as stage {block["stage"]}')
     elif "allgather_size" in data:

@@ -4,7 +4,8 @@ DeepSpeed reads the top level and the `aio`, `checkpoint` and
 `activation_checkpointing` blocks loosely and ignores unknown keys there; these
 models forbid unknown keys everywhere, so a typo is an error, not a silent
 default. Defaults are DeepSpeed's, except `gradient_clipping` (None here: the
-loader turns "absent" into zeroshard's 0 and says so in a note).
+loader turns "absent" into zeroshard's 0 and says so in a note). A knob the engine
+runs on takes its default from its policy (`zeroshard.policies`), declared there once.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from zeroshard.config.fields import (
     Bool, Int, NonNegInt, NonNegReal, PosInt, PosReal, Section, Text, check_free_params,
 )
 from zeroshard.config.suggest import did_you_mean
-from zeroshard.config.support import KNOWN_OPTIMIZERS, KNOWN_SCHEDULERS
+from zeroshard.config.names import KNOWN_OPTIMIZERS, KNOWN_SCHEDULERS
 from zeroshard.config.zero_schema import ZeroConfig
+from zeroshard.policies import (
+    ActivationOffloadPolicy, AioPolicy, CommsLoggerPolicy, LossScalePolicy, RuntimePolicy, Stage3Policy, ZeroPolicy,
+)
 
 ReduceDtype = Literal["fp32", "fp16", "bf16"]
 
@@ -39,15 +43,18 @@ SCHEDULER_PARAM_KINDS = {
 }
 
 
+_SCALE, _AIO, _RUNTIME, _S3 = LossScalePolicy(), AioPolicy(), RuntimePolicy(), Stage3Policy()
+
+
 class FP16Config(Section):
     enabled: Bool = False
     auto_cast: Bool = False
-    loss_scale: NonNegReal = 0.0
-    initial_scale_power: NonNegInt = 16
-    loss_scale_window: PosInt = 1000
-    hysteresis: PosInt = 2
-    consecutive_hysteresis: Bool = False
-    min_loss_scale: PosReal = 1.0
+    loss_scale: NonNegReal = _SCALE.static_scale
+    initial_scale_power: NonNegInt = _SCALE.initial_scale_power
+    loss_scale_window: PosInt = _SCALE.loss_scale_window
+    hysteresis: PosInt = _SCALE.hysteresis
+    consecutive_hysteresis: Bool = _SCALE.consecutive_hysteresis
+    min_loss_scale: PosReal = _SCALE.min_loss_scale
     fp16_master_weights_and_grads: Bool = False
 
 
@@ -103,7 +110,9 @@ class SchedulerConfig(Section):
 
 
 class CommsLoggerConfig(Section):
-    enabled: Bool = False
+    """Only `enabled` takes effect; the other keys are DeepSpeed's and accepted."""
+
+    enabled: Bool = CommsLoggerPolicy.enabled
     verbose: Bool = False
     prof_all: Bool = True
     debug: Bool = False
@@ -113,12 +122,12 @@ class CommsLoggerConfig(Section):
 class AioConfig(Section):
     spellings = ("thread_count",)
 
-    block_size: PosInt = 1_048_576
-    queue_depth: PosInt = 8
-    intra_op_parallelism: PosInt = 1
-    single_submit: Bool = False
-    overlap_events: Bool = True
-    use_gds: Bool = False
+    block_size: PosInt = _AIO.block_size
+    queue_depth: PosInt = _AIO.queue_depth
+    intra_op_parallelism: PosInt = _AIO.intra_op_parallelism
+    single_submit: Bool = _AIO.single_submit
+    overlap_events: Bool = _AIO.overlap_events
+    use_gds: Bool = _AIO.use_gds
 
 
 class ParallelWriteConfig(Section):
@@ -258,23 +267,23 @@ class ActivationOffloadConfig(Section):
     checkpointed segments until backward ("cpu" is DeepSpeed's cpu_checkpointing; "nvme" writes
     them to files under `nvme_path`)."""
 
-    device: Literal["none", "cpu", "nvme"] = "none"
-    nvme_path: Text | None = None
-    buffer_count: PosInt = 2
+    device: Literal["none", "cpu", "nvme"] = ActivationOffloadPolicy.device.value
+    nvme_path: Text | None = ActivationOffloadPolicy.nvme_path
+    buffer_count: PosInt = ActivationOffloadPolicy.buffer_count
 
 
 class ZeroShardConfig(Section):
     """zeroshard's own block (`"zeroshard": {...}`); DeepSpeed would reject it, zeroshard reads it."""
 
-    comm_timeout_s: PosReal = 600.0
-    cast_forward_inputs: Bool = True
+    comm_timeout_s: PosReal = _RUNTIME.comm_timeout_s
+    cast_forward_inputs: Bool = _RUNTIME.cast_forward_inputs
     stage3_unit_classes: list[Text] | None = None  # module class names that are gather units
-    stage3_min_unit_params: PosInt = 100_000  # without unit classes: subtree size that makes a unit
+    stage3_min_unit_params: PosInt = _S3.min_unit_params  # without unit classes: subtree size that makes a unit
     # step each optimizer sub-group as soon as its gradients are reduced, during backward
     # (stages 0-2; None: whenever no clipping or fp16 overflow check needs every gradient first)
-    step_during_backward: Bool | None = None
+    step_during_backward: Bool | None = _RUNTIME.step_during_backward
     # give glibc's free heap pages back after step 1 and when RSS grows (None: where the host holds training state)
-    trim_host_memory: Bool | None = None
+    trim_host_memory: Bool | None = _RUNTIME.trim_host_memory
     activation_offload: ActivationOffloadConfig | None = None
 
 
@@ -293,7 +302,7 @@ class RootConfig(Section):
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig | None = None
-    allgather_size: PosInt = 500_000_000  # legacy, read only with "zero_optimization": true
+    allgather_size: PosInt = ZeroPolicy.allgather_bucket_size  # legacy, read only with "zero_optimization": true
     zero_allow_untested_optimizer: Bool = False
     zero_force_ds_cpu_optimizer: Bool = True
     communication_data_type: ReduceDtype | None = None

@@ -1,8 +1,8 @@
 """What zeroshard has not built yet, and what it reads but ignores. One table each.
 
-When a feature lands, flip `built=False` to `built=True` on its row of `GAPS`
-(or add the optimizer / scheduler name to `BUILT_OPTIMIZERS` /
-`BUILT_SCHEDULERS`). Nothing else in the config layer needs to change.
+When a feature lands, remove its row from `GAPS` (or move the optimizer / scheduler
+name to `BUILT_OPTIMIZERS` / `BUILT_SCHEDULERS` in `names.py`). Nothing else in the
+config layer needs to change.
 
 Rules:
 * A gap whose key is set to a value that would take effect at the chosen stage
@@ -22,32 +22,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from zeroshard.config.names import BUILT_OPTIMIZERS, BUILT_SCHEDULERS
+from zeroshard.config.schema import RootConfig
 from zeroshard.policies import ConfigError, NotSupportedYetError
-
-if TYPE_CHECKING:
-    from zeroshard.config.schema import RootConfig
-
-BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
-UNBUILT_OPTIMIZERS = (
-    "lamb", "lion", "muon", "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam",
-    "onebitlamb", "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
-    "lbfgs", "sparseadam", "adafactor",
-)
-KNOWN_OPTIMIZERS = BUILT_OPTIMIZERS + UNBUILT_OPTIMIZERS  # compared lower-cased, as DeepSpeed does
-
-BUILT_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-UNBUILT_SCHEDULERS = (
-    "LRRangeTest", "OneCycle", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR",
-    "CosineAnnealingWarmRestarts", "LambdaLR", "LinearLR", "ConstantLR", "PolynomialLR",
-    "CyclicLR", "OneCycleLR", "ReduceLROnPlateau",
-)
-KNOWN_SCHEDULERS = BUILT_SCHEDULERS + UNBUILT_SCHEDULERS  # exact spelling, as DeepSpeed does
 
 ALL_STAGES = frozenset({0, 1, 2, 3})
 ZERO_STAGES = frozenset({1, 2, 3})
-STAGE3 = frozenset({3})
 
 
 def version() -> str:
@@ -62,50 +44,39 @@ class Gap:
     """A setting zeroshard accepts in the schema but has not built."""
 
     path: str
-    value: Callable[["RootConfig"], Any]  # the offending value, or None when off / default
+    value: Callable[[RootConfig], Any]  # the offending value, or None when off / default
     fix: str  # what to set instead
     stages: frozenset[int] = ALL_STAGES  # stages at which the key takes effect
-    built: bool = False
 
 
 def _device(block: Any) -> str | None:
     return block.device if block is not None and block.device != "none" else None
 
 
-def _nvme(block: Any) -> str | None:
-    """Host offload (cpu) is built; the NVMe tier is not yet."""
-    return "nvme" if _device(block) == "nvme" else None
-
-
 def _when(flag: bool, value: Any = True) -> Any:
     return value if flag else None
 
 
-def _fp16(c: "RootConfig") -> Any:
+def _fp16(c: RootConfig) -> Any:
     return c.fp16 if c.fp16 is not None and c.fp16.enabled else None
 
 
-def _bf16(c: "RootConfig") -> Any:
+def _bf16(c: RootConfig) -> Any:
     return c.bf16 if c.bf16 is not None and c.bf16.enabled else None
 
 
-def _unbuilt_optimizer(c: "RootConfig") -> str | None:
+def _unbuilt_optimizer(c: RootConfig) -> str | None:
     name = c.optimizer.type if c.optimizer is not None else None
     return name if name is not None and name.lower() not in BUILT_OPTIMIZERS else None
 
 
-def _unbuilt_scheduler(c: "RootConfig") -> str | None:
+def _unbuilt_scheduler(c: RootConfig) -> str | None:
     name = c.scheduler.type if c.scheduler is not None else None
     return name if name is not None and name not in BUILT_SCHEDULERS else None
 
 
 _Z = "zero_optimization."
 GAPS: tuple[Gap, ...] = (
-    Gap(_Z + "stage", lambda c: _when(c.stage == 3, 3), "0, 1 or 2", built=True),
-    Gap(_Z + "offload_optimizer.device", lambda c: _nvme(c.zero.offload_optimizer), '"cpu" or "none"', ZERO_STAGES,
-        built=True),  # the NVMe tier (issue 11)
-    Gap(_Z + "offload_param.device", lambda c: _nvme(c.zero.offload_param), '"cpu" or "none"', STAGE3,
-        built=True),  # the NVMe tier (issue 11)
     Gap(_Z + "zenflow", lambda c: _when(c.zero.zenflow is not None, "{...}"), "nothing (remove the block)",
         ZERO_STAGES),
     Gap("fp16.auto_cast", lambda c: _when(bool(_fp16(c) and c.fp16.auto_cast)), "false"),
@@ -124,9 +95,6 @@ GAPS: tuple[Gap, ...] = (
     Gap("activation_checkpointing.partition_activations",
         lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.partition_activations)),
         "false"),
-    Gap("activation_checkpointing.cpu_checkpointing",
-        lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.cpu_checkpointing)),
-        "false", built=True),  # zeroshard's checkpoint function (offload/activations.py, issue 11)
     Gap("compile.enabled", lambda c: _when(bool(c.compile and c.compile.enabled)), "false"),
     Gap("compile.deepcompile", lambda c: _when(bool(c.compile and c.compile.deepcompile)), "false"),
     Gap("tensor_parallel", lambda c: _when(bool(c.tensor_parallel), "{...}"), "nothing (remove the block)"),
@@ -153,7 +121,7 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
-def _zeropp_in_use(c: "RootConfig") -> list[str]:
+def _zeropp_in_use(c: RootConfig) -> list[str]:
     """The ZeRO++ keys set to a value that turns something on."""
     z = c.zero
     on = [(z.zero_quantized_weights, "zero_quantized_weights = true"),
@@ -163,14 +131,14 @@ def _zeropp_in_use(c: "RootConfig") -> list[str]:
     return [_Z + text for hit, text in on if hit]
 
 
-def check_support(config: "RootConfig") -> list[str]:
+def check_support(config: RootConfig) -> list[str]:
     """Raise NotSupportedYetError for every unbuilt feature in use; return "ignored at stage" notes."""
     stage = config.stage
     errors: list[str] = []
     ignored: list[str] = []
     for gap in GAPS:
         value = gap.value(config)
-        if gap.built or value is None:
+        if value is None:
             continue
         if stage not in gap.stages:
             ignored.append(f"{gap.path} = {_show(value)}")
@@ -206,7 +174,7 @@ _ZERO_NO_EFFECT = {  # key: value that differs from DeepSpeed's default and has 
 }
 
 
-def _ignored_checks(c: "RootConfig") -> list[tuple[bool, str]]:
+def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
     monitor = "zeroshard has no monitors; log from your training loop"
     ac = c.activation_checkpointing
     checks = [(bool(getattr(c, name) and getattr(c, name).enabled), f"{name}.enabled: {monitor}")
@@ -240,6 +208,6 @@ def _ignored_checks(c: "RootConfig") -> list[tuple[bool, str]]:
     return checks
 
 
-def ignored_notes(config: "RootConfig") -> list[str]:
+def ignored_notes(config: RootConfig) -> list[str]:
     """Notes for accepted keys that zeroshard does not act on."""
     return ["ignored: " + text for hit, text in _ignored_checks(config) if hit]

@@ -2,20 +2,25 @@
 
 Field names are DeepSpeed's canonical ones (no `stage3_` prefix); the loader
 rewrites the prefixed aliases and deprecated keys before validation.
-Defaults are DeepSpeed's.
+Defaults are DeepSpeed's. A knob the engine runs on takes its default from its policy
+(`zeroshard.policies`), where it is declared once; keys zeroshard accepts but does not
+act on are declared here only.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from zeroshard.config.fields import Bool, NonNegInt, NonNegReal, PosInt, Real, Section, Text
+from zeroshard.policies import Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy
 
 OffloadDeviceName = Literal["none", "cpu", "nvme"]
+
+_ZERO = ZeroPolicy()
+_PARAM, _OPT, _S3, _ZPP = _ZERO.offload_param, _ZERO.offload_optimizer, Stage3Policy(), ZeroPlusPlusPolicy()
 
 STAGE3_ALIASES: dict[str, str] = {
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
@@ -43,12 +48,12 @@ def _needs_nvme_path(device: str, nvme_path: str | None) -> None:
 class OffloadParamConfig(Section):
     """`offload_param`: where stage 3 keeps parameter shards."""
 
-    device: OffloadDeviceName = "none"
-    nvme_path: Text | None = None
-    buffer_count: NonNegInt = 5
-    buffer_size: PosInt = 100_000_000
-    max_in_cpu: NonNegInt = 1_000_000_000
-    pin_memory: Bool = True
+    device: OffloadDeviceName = _PARAM.device.value
+    nvme_path: Text | None = _PARAM.nvme_path
+    buffer_count: NonNegInt = _PARAM.buffer_count
+    buffer_size: PosInt = _PARAM.buffer_size
+    max_in_cpu: NonNegInt = _PARAM.max_in_cpu
+    pin_memory: Bool = _PARAM.pin_memory
 
     @model_validator(mode="after")
     def _nvme(self) -> "OffloadParamConfig":
@@ -59,15 +64,15 @@ class OffloadParamConfig(Section):
 class OffloadOptimizerConfig(Section):
     """`offload_optimizer`: where optimizer states (and the optimizer step) live."""
 
-    device: OffloadDeviceName = "none"
-    nvme_path: Text | None = None
-    buffer_count: NonNegInt = 4
-    pin_memory: Bool = True
+    device: OffloadDeviceName = _OPT.device.value
+    nvme_path: Text | None = _OPT.nvme_path
+    buffer_count: NonNegInt = _OPT.buffer_count
+    pin_memory: Bool = _OPT.pin_memory
     pipeline: Bool = False
-    pipeline_read: Bool = False
-    pipeline_write: Bool = False
-    fast_init: Bool = False
-    ratio: Real = Field(default=1.0, ge=0.0, le=1.0)
+    pipeline_read: Bool = _OPT.pipeline_read
+    pipeline_write: Bool = _OPT.pipeline_write
+    fast_init: Bool = _OPT.fast_init
+    ratio: Real = Field(default=_OPT.ratio, ge=0.0, le=1.0)
     super_offload: Bool = False
     cpuadam_cores_perc: Real = Field(default=0.8, gt=0.0, le=1.0)
 
@@ -105,28 +110,28 @@ class ZeroConfig(Section):
 
     spellings = tuple(STAGE3_ALIASES) + DEPRECATED_ZERO_KEYS + ("aio",)
 
-    stage: NonNegInt = 0
-    contiguous_gradients: Bool = True
-    reduce_scatter: Bool = True
-    reduce_bucket_size: PosInt = 500_000_000
+    stage: NonNegInt = int(_ZERO.stage)
+    contiguous_gradients: Bool = _ZERO.contiguous_gradients
+    reduce_scatter: Bool = _ZERO.reduce_scatter
+    reduce_bucket_size: PosInt = _ZERO.reduce_bucket_size
     use_multi_rank_bucket_allreduce: Bool = True
     allgather_partitions: Bool = True
-    allgather_bucket_size: PosInt = 500_000_000
-    overlap_comm: Bool | None = None
-    compute_grad_norm: Bool = True
+    allgather_bucket_size: PosInt = _ZERO.allgather_bucket_size
+    overlap_comm: Bool | None = None  # None: not written (a note says so); the policy's default applies
+    compute_grad_norm: Bool = _ZERO.compute_grad_norm
     load_from_fp32_weights: Bool = True
     elastic_checkpoint: Bool = False
     offload_param: OffloadParamConfig | None = None
     offload_optimizer: OffloadOptimizerConfig | None = None
     zenflow: ZenFlowConfig | None = None
-    sub_group_size: NonNegInt = 1_000_000_000
+    sub_group_size: NonNegInt = _ZERO.sub_group_size
     # Stage 3 (0 prefetch means "no prefetch" in DeepSpeed, so it is allowed).
-    prefetch_bucket_size: NonNegInt = 50_000_000
-    param_persistence_threshold: NonNegInt = 100_000
-    model_persistence_threshold: NonNegInt = sys.maxsize
-    max_live_parameters: NonNegInt = 1_000_000_000
-    max_reuse_distance: NonNegInt = 1_000_000_000
-    gather_16bit_weights_on_model_save: Bool = False
+    prefetch_bucket_size: NonNegInt = _S3.prefetch_bucket_size
+    param_persistence_threshold: NonNegInt = _S3.param_persistence_threshold
+    model_persistence_threshold: NonNegInt = _S3.model_persistence_threshold
+    max_live_parameters: NonNegInt = _S3.max_live_parameters
+    max_reuse_distance: NonNegInt = _S3.max_reuse_distance
+    gather_16bit_weights_on_model_save: Bool = _S3.gather_16bit_weights_on_model_save
     module_granularity_threshold: NonNegInt = 0
     use_all_reduce_for_fetch_params: Bool = False
     allgather_sequential: Bool = False
@@ -138,15 +143,15 @@ class ZeroConfig(Section):
     save_muon_momentum_buffer_in_memory: Bool = False
     leaf_module: LeafModuleConfig | None = None
     # Stages 1/2.
-    ignore_unused_parameters: Bool = True
+    ignore_unused_parameters: Bool = _ZERO.ignore_unused_parameters
     legacy_stage1: Bool = False
     round_robin_gradients: Bool = False
     parameter_alignment: Bool = False
     # ZeRO++.
-    zero_hpz_partition_size: NonNegInt = 1
-    zero_quantized_weights: Bool = False
-    zero_quantized_nontrainable_weights: Bool = False
-    zero_quantized_gradients: Bool = False
+    zero_hpz_partition_size: NonNegInt = _ZPP.hpz_partition_size
+    zero_quantized_weights: Bool = _ZPP.quantized_weights
+    zero_quantized_nontrainable_weights: Bool = _ZPP.quantized_nontrainable_weights
+    zero_quantized_gradients: Bool = _ZPP.quantized_gradients
 
     @field_validator("stage")
     @classmethod

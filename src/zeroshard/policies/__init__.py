@@ -11,6 +11,7 @@ from zeroshard.policies.errors import (
     ZeroShardError,
 )
 from zeroshard.policies.settings import (
+    HIDDEN_SIZE_AUTO,
     ActivationOffloadPolicy,
     AioPolicy,
     BatchPolicy,
@@ -31,7 +32,7 @@ from zeroshard.policies.settings import (
 )
 
 __all__ = [
-    "ActivationOffloadPolicy", "AioPolicy", "NvmeError", "NvmeSpaceError",
+    "HIDDEN_SIZE_AUTO", "ActivationOffloadPolicy", "AioPolicy", "NvmeError", "NvmeSpaceError",
     "BatchPolicy", "CheckpointError", "CommError", "CommTimeoutError", "CommsLoggerPolicy",
     "ConfigError", "LossScalePolicy", "NotSupportedYetError", "OffloadDevice", "OffloadPolicy",
     "OptimizerSpec", "Precision", "PrecisionPolicy", "RuntimePolicy", "SchedulerSpec", "Settings",

@@ -1,5 +1,7 @@
 """Frozen, typed settings the engine runs on. Built by `zeroshard.config`, read everywhere else.
 
+Each knob's default is declared here once: the config schema (`zeroshard.config`) and the
+estimator (`zeroshard.estimate`) read their defaults from these dataclasses.
 This module imports nothing internal: it is the bottom of the layer chain.
 """
 
@@ -7,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -33,13 +35,6 @@ class Precision(str, enum.Enum):
         import torch  # here, so the command line can read settings before it imports torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
-
-    @classmethod
-    def from_dtype(cls, dtype: torch.dtype) -> "Precision":
-        for p in cls:
-            if p.dtype == dtype:
-                return p
-        raise ValueError(f"no precision for dtype {dtype}")
 
 
 class OffloadDevice(str, enum.Enum):
@@ -122,9 +117,6 @@ class Stage3Policy:
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
     gather_16bit_weights_on_model_save: bool = False
-    module_granularity_threshold: int = 0
-    use_all_reduce_for_fetch_params: bool = False
-    allgather_sequential: bool = False
     unit_classes: tuple[str, ...] = ()  # leaf_module.classes: module class names gathered as one unit
     min_unit_params: int = 100_000  # without unit_classes: a subtree this large becomes a unit
 
@@ -137,6 +129,15 @@ class ZeroPlusPlusPolicy:
     quantized_nontrainable_weights: bool = False
     hpz_partition_size: int = 1
     quantized_gradients: bool = False
+
+
+# Hugging Face's heuristics for "auto" from the model's hidden size h
+# (transformers/integrations/deepspeed.py): the loader fills these keys, the planner sizes buckets.
+HIDDEN_SIZE_AUTO: dict[str, Callable[[int], int]] = {
+    "reduce_bucket_size": lambda h: h * h,
+    "prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "param_persistence_threshold": lambda h: 10 * h,
+}
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class ZeroPolicy:
     ignore_unused_parameters: bool = True
     compute_grad_norm: bool = True
     offload_optimizer: OffloadPolicy = field(default_factory=OffloadPolicy)
-    offload_param: OffloadPolicy = field(default_factory=OffloadPolicy)
+    offload_param: OffloadPolicy = field(default_factory=lambda: OffloadPolicy(buffer_count=5))
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
     zeropp: ZeroPlusPlusPolicy = field(default_factory=ZeroPlusPlusPolicy)
 
@@ -176,11 +177,9 @@ class SchedulerSpec:
 
 @dataclass(frozen=True)
 class CommsLoggerPolicy:
+    """`comms_logger`: when enabled, the collectives of each step are printed with the step line."""
+
     enabled: bool = False
-    verbose: bool = False
-    prof_all: bool = True
-    debug: bool = False
-    prof_ops: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
