@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -91,7 +94,11 @@ def test_lr_scheduler_instance_is_rebound_and_stepped():
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     engine = zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 2}, optimizer=opt, lr_scheduler=sched)
-    _train(engine, None, steps=3)
+    with warnings.catch_warnings():
+        # torch warns when the optimizer a scheduler follows has not stepped before it, or
+        # does not carry the mark its schedulers check: the rebound one must do both
+        warnings.simplefilter("error")
+        _train(engine, None, steps=3)
     assert engine.get_lr() == [0.125]
 
 

@@ -89,7 +89,7 @@ def _evidence(engine) -> dict:
     after = opt.master_value(0).clone()
     os.pwrite(fd, before.numpy().tobytes(), region.offset)  # put it back
     os.close(fd)
-    param_tiers = engine._param_tiers()
+    param_tiers = engine.param_tiers
     params_on_disk = sum(b.shard().numel() * b.shard().element_size() for u in engine.units for b in u.buckets
                          if getattr(b, "_home", None) is not None)
     ahead = [t.ahead for t in param_tiers if t.ahead is not None]

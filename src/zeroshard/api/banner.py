@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import Any
 
-from zeroshard.partition.unit_bucket import UnitBucket
+from zeroshard.comm import Topology
 from zeroshard.policies import Stage
-from zeroshard.stages.assembly import ModelParts
+from zeroshard.stages.build import Assembled
 from zeroshard.stages.units import describe_units
 
-if TYPE_CHECKING:
-    from zeroshard.api.engine import Engine
+log = logging.getLogger("zeroshard")
 
 
 def _elements(n: int) -> str:
@@ -20,30 +20,31 @@ def _elements(n: int) -> str:
     return str(n)
 
 
-def startup_banner(engine: "Engine", parts: ModelParts) -> list[str]:
-    s, topo = engine.settings, engine.topology
+def startup_banner(run: Assembled, topo: Topology, lr_scheduler: Any) -> list[str]:
+    """The lines printed once the run is assembled (`run`: what `stages.build.assemble` made)."""
+    s, parts = run.settings, run.parts
     p, z, b = s.precision, s.zero, s.batch
     phi = sum(x.numel() for x in parts.trainable)
     frozen = sum(x.numel() for x in parts.frozen)
-    padding = sum(bk.layout.padding for bk in engine.buckets)
+    padding = sum(bk.layout.padding for bk in run.buckets)
     scaling = "off"
     if p.loss_scale is not None:
         ls = p.loss_scale
         scaling = (f"dynamic from 2^{ls.initial_scale_power}, window {ls.loss_scale_window}, "
                    f"hysteresis {ls.hysteresis}, min {ls.min_loss_scale:g}") if ls.dynamic else f"static {ls.static_scale:g}"
     clip = f"{s.gradient_clipping:g}" if s.gradient_clipping > 0 else "off"
-    kernel = "fused" if engine.optimizer.optimizer.defaults.get("fused") else (
-        "foreach" if engine.optimizer.optimizer.defaults.get("foreach") else "default")
+    kernel = "fused" if run.optimizer.optimizer.defaults.get("fused") else (
+        "foreach" if run.optimizer.optimizer.defaults.get("foreach") else "default")
     lines = [
         f"zeroshard: ZeRO stage {int(z.stage)} on {topo.world_size} rank(s) ({topo.backend}, {topo.device.type})",
         f"  parameters: {_elements(phi)} trainable ({phi:,}) + {_elements(frozen)} frozen, in "
-        f"{len(engine.buckets)} bucket(s), padding {padding} elements",
+        f"{len(run.buckets)} bucket(s), padding {padding} elements",
         f"  precision: params {p.compute.value}, compute {p.compute.value}, reduce {p.reduce.value}, "
         f"master {p.master.value}, optimizer states {p.optimizer_states.value}; loss scaling {scaling}",
-        f"  optimizer: {engine.plan.description} ({kernel} kernel), "
-        f"{type(engine.optimizer.optimizer).__name__} over fp32 shards; "
-        f"scheduler: {type(engine.lr_scheduler).__name__ if engine.lr_scheduler else 'none'}",
-        f"  optimizer step: {engine.step_mode}",
+        f"  optimizer: {run.plan.description} ({kernel} kernel), "
+        f"{type(run.optimizer.optimizer).__name__} over fp32 shards; "
+        f"scheduler: {type(lr_scheduler).__name__ if lr_scheduler else 'none'}",
+        f"  optimizer step: {run.step_mode}",
         f"  gradient clipping: {clip}"
         + ("" if s.gradient_clipping > 0 else " (DeepSpeed 0.19 defaults to 1.0; zeroshard clips only when asked)"),
         f"  batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
@@ -55,17 +56,38 @@ def startup_banner(engine: "Engine", parts: ModelParts) -> list[str]:
         f"  offload: optimizer {z.offload_optimizer.device.value}, parameters {z.offload_param.device.value}; "
         f"collective timeout {s.runtime.comm_timeout_s:g}s",
     ]
-    if engine.host_threads:
-        lines.append(f"  optimizer shards by tier: {engine.optimizer.tier_summary()}; host step: {kernel} "
-                     f"{type(engine.optimizer.optimizer).__name__} kernel, {engine.host_threads}, "
-                     + ("during backward (see 'optimizer step')" if engine.step_early
+    if run.host_threads:
+        lines.append(f"  optimizer shards by tier: {run.optimizer.tier_summary()}; host step: {kernel} "
+                     f"{type(run.optimizer.optimizer).__name__} kernel, {run.host_threads}, "
+                     + ("during backward (see 'optimizer step')" if run.step_early
                         else "after backward at the accumulation boundary (as DeepSpeed)")
                      + ("" if topo.device.type == "cuda" else "; host and device are the same memory here: "
                         "no copies, the ledger's tiers say where each byte belongs"))
-    lines += [f"  {line}" for line in getattr(engine, "nvme_lines", [])]
-    lines.append(f"  host memory: {engine.heap_trim.line}")
+    lines += [f"  {line}" for line in run.nvme_lines]
+    lines.append(f"  host memory: {run.heap_trim.line}")
     if z.stage == Stage.PARAMETERS:
-        persistent = sum(bk.layout.numel for bk in engine.buckets if not isinstance(bk, UnitBucket))
-        lines += [f"  {line}" for line in describe_units(engine.units, engine.unit_rule, persistent, z.stage3)]
+        in_units = {id(bk) for u in run.units for bk in u.buckets}
+        persistent = sum(bk.layout.numel for bk in run.buckets if id(bk) not in in_units)
+        lines += [f"  {line}" for line in describe_units(run.units, run.unit_rule, persistent, z.stage3)]
     lines += [f"  note: {n}" for n in s.notes]
     return lines
+
+
+def log_step(engine) -> None:
+    """Every `steps_per_print` steps on rank 0: lr, norm, loss scale, skipped steps, memory;
+    with wall_clock_breakdown the timers, with comms_logger the collectives."""
+    every = engine.settings.steps_per_print
+    if not every or engine.global_steps % every or engine.rank != 0:
+        return
+    mem = engine.memory_stats()
+    log.info("step %d | lr %s | grad norm %.4g | loss scale %g | skipped %d | MB params %.1f grads %.1f "
+             "optim %.1f", engine.global_steps, ", ".join(f"{lr:.3g}" for lr in engine.get_lr()),
+             engine.get_global_grad_norm() or 0.0, engine.loss_scale, engine.skipped_steps,
+             mem["params"] / 2**20, mem["grads"] / 2**20, mem["optimizer_states"] / 2**20)
+    if engine.settings.wall_clock_breakdown:
+        log.info("time (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in engine.timers().items()))
+    if engine.settings.comms_logger.enabled:
+        for op, s in engine.comm_stats().items():
+            if s["calls"]:
+                log.info("comm %-14s calls %d elements %d sent MB %.2f s %.3f", op, s["calls"],
+                         s["elements"], s["sent_bytes"] / 2**20, s["seconds"])

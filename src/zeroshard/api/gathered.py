@@ -20,7 +20,6 @@ from torch import nn
 from zeroshard.comm import Comm, CommLedger, setup_topology
 from zeroshard.offload import store_value
 from zeroshard.partition.param_shards import shard_of, shard_parameter
-from zeroshard.partition.unit_bucket import UnitBucket
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -42,7 +41,7 @@ class GatheredParameters:
         self.params = [params] if isinstance(params, torch.Tensor) else [p for p in params if p is not None]
         self.modifier_rank, self.enabled = modifier_rank, enabled
         self._engine = None
-        self._units = []
+        self._held = None  # the parameter strategy's `gathered` context while inside
         self._init_params: list[nn.Parameter] = []
 
     def __enter__(self) -> "GatheredParameters":
@@ -52,12 +51,8 @@ class GatheredParameters:
         if self._engine is None:
             self._enter_init()
             return self
-        runtime = getattr(self._engine.params, "runtime", None)
-        if runtime is not None:
-            self._units = runtime.units_of(self.params)
-            for unit in self._units:
-                runtime.gather(unit)
-                runtime.pin(unit)
+        self._held = self._engine.params.gathered(self.params)
+        self._held.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -67,11 +62,11 @@ class GatheredParameters:
             self._exit_init()
             return
         engine = self._engine
-        if self.modifier_rank is not None and exc[0] is None:
-            self._scatter_back(engine)
-        runtime = getattr(engine.params, "runtime", None)
-        for unit in self._units:
-            runtime.unpin(unit)
+        try:
+            if self.modifier_rank is not None and exc[0] is None:
+                self._scatter_back(engine)
+        finally:
+            self._held.__exit__(None, None, None)
 
     def _scatter_back(self, engine) -> None:
         """Rank `modifier_rank`'s values go to every rank, into shards and fp32 masters."""
@@ -84,7 +79,7 @@ class GatheredParameters:
             touched.update(id(p) for p in bucket.params)
             comm.broadcast(bucket.data, src, what=f"GatheredParameters from rank {src}").wait()
             lo, hi = bucket.shard_range
-            if isinstance(bucket, UnitBucket):
+            if bucket.shard().data_ptr() != bucket.data[lo:hi].data_ptr():  # a stage-3 shard kept apart
                 store_value(bucket.shard(), bucket.data[lo:hi])  # in memory, or in its nvme file
             if b < len(engine.buckets):
                 with engine.optimizer.resident(b):  # nvme tier: read, edited, written back

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 

@@ -12,7 +12,6 @@ from torch import nn
 from zeroshard.api.engine import Engine, SchedulerArg
 from zeroshard.comm import setup_topology, world_size_hint
 from zeroshard.config import load_config
-from zeroshard.offload import activations
 from zeroshard.optim.template import OptimizerArg
 
 log = logging.getLogger("zeroshard")
@@ -51,12 +50,4 @@ def initialize(
                            world_size_hint(), hidden_size=hidden)
     _configure_logging()
     topology = setup_topology(settings.runtime.comm_timeout_s)
-    engine = Engine(model, settings, topology, optimizer, lr_scheduler)
-    # zeroshard's checkpoint function (zeroshard.checkpoint_activations, deepspeed.checkpointing)
-    # keeps segment inputs where the config says, counted in this engine's memory ledger
-    store = activations.ActivationOffload(engine.settings.activations, engine.settings.aio, engine.memory,
-                                          topology.rank)
-    engine.activation_offload = activations.configure(store)
-    if topology.rank == 0:
-        log.info("  %s", store.describe())
-    return engine
+    return Engine(model, settings, topology, optimizer, lr_scheduler)

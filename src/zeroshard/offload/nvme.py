@@ -29,6 +29,7 @@ import torch
 
 from zeroshard.offload.aio import ALIGN, AioSettings, Handle, IOEngine, align_up, aligned_empty, self_test
 from zeroshard.offload.tiers import _FILE_HOMES, Tier
+from zeroshard.partition.flat_bucket import placeholder
 from zeroshard.policies import AioPolicy, NvmeError, NvmeSpaceError
 
 log = logging.getLogger("zeroshard")
@@ -148,12 +149,6 @@ class Region:
 
     offset: int
     nbytes: int
-
-
-def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of `shape` and `dtype` holding one element (NaN) expanded: no real storage."""
-    fill = float("nan") if dtype.is_floating_point else 0
-    return torch.full((), fill, dtype=dtype).expand(tuple(shape))
 
 
 class NvmeTier(Tier):

@@ -27,8 +27,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zeroshard.offload.aio import DONE, Handle, align_up, aligned_empty
-from zeroshard.offload.nvme import NvmeTier, Region, placeholder
+from zeroshard.offload.aio import Handle, align_up, aligned_empty
+from zeroshard.offload.nvme import NvmeTier, Region
+from zeroshard.partition.flat_bucket import placeholder
 from zeroshard.partition import MemoryLedger
 
 FULL_PIPELINE = 3  # read k+1, step k, write k-1

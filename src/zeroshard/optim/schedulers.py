@@ -192,3 +192,29 @@ def build_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> LR
     if "total_num_steps" in _VALID_KEYS[spec.type] and "total_num_steps" not in params:
         raise ConfigError(f"scheduler {spec.type!r}: 'total_num_steps' is required")
     return _SCHEDULERS[spec.type](optimizer, **params)
+
+
+def make_scheduler(arg: Any, user_optimizer: Any, inner: torch.optim.Optimizer,
+                   spec: SchedulerSpec | None) -> Any:
+    """The scheduler of a run over the shard optimizer `inner`: the config's (`spec`), a callable
+    `optimizer -> scheduler`, or a scheduler the user built over `user_optimizer`, re-pointed at
+    `inner` (same groups, same order, so its base_lrs hold)."""
+    if arg is None:
+        return build_scheduler(spec, inner) if spec is not None else None
+    if not isinstance(arg, LRScheduler):
+        return arg(inner)
+    if arg.optimizer is not user_optimizer:
+        raise ConfigError("lr_scheduler must be built over the optimizer given to initialize(), "
+                          "or be a callable optimizer -> scheduler")
+    # torch's schedulers check that the optimizer steps before them, through a mark every
+    # scheduler puts on the optimizer it is built over: a scheduler that changes nothing
+    # (a constant factor of 1) built over `inner` gives it that mark, as the user's had
+    had_initial = ["initial_lr" in g for g in inner.param_groups]
+    torch.optim.lr_scheduler.ConstantLR(inner, factor=1.0, total_iters=0)
+    for group, had in zip(inner.param_groups, had_initial):
+        if not had:
+            del group["initial_lr"]
+    arg.optimizer = inner
+    for group, lr in zip(inner.param_groups, arg.get_last_lr()):
+        group["lr"] = lr
+    return arg

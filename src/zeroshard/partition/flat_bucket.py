@@ -18,6 +18,14 @@ def slot_views(buffer: torch.Tensor, layout: BucketLayout) -> list[torch.Tensor]
     return [buffer[s.offset : s.end].view(s.shape) for s in layout.slots]
 
 
+def placeholder(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A stand-in for a tensor whose values live elsewhere (a released stage-3 parameter, a
+    shard in a file): its true shape over one element of storage, NaN for floats so that an
+    accidental read shows, and an in-place write raises."""
+    fill = float("nan") if dtype.is_floating_point else 0
+    return torch.full((), fill, dtype=dtype, device=device).expand(tuple(shape))
+
+
 class FlatBucket:
     def __init__(
         self,

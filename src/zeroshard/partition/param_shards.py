@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zeroshard.partition.flat_bucket import placeholder
+
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
 
@@ -28,12 +30,6 @@ class ParamShard:
 # id(param) -> (weak reference, shard). Not a WeakKeyDictionary: it compares keys with ==,
 # which for tensors is elementwise.
 _SHARDS: dict[int, tuple[weakref.ref, ParamShard]] = {}
-
-
-def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """True shape, one element of storage: NaN for floats, so an accidental read shows."""
-    fill = float("nan") if dtype.is_floating_point else 0
-    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
 
 
 def shard_parameter(param: nn.Parameter, rank: int, world_size: int) -> ParamShard:

@@ -12,22 +12,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroshard.partition.buffer_pool import empty_from
-from zeroshard.partition.flat_bucket import FlatBucket, slot_views
+from zeroshard.partition.buffer_pool import BufferPool, empty_from
+from zeroshard.partition.flat_bucket import FlatBucket, placeholder, slot_views
 from zeroshard.partition.layout import BucketLayout
 from zeroshard.partition.memory import MemoryLedger
 
 
 class UnitBucket(FlatBucket):
     def __init__(self, layout: BucketLayout, params: list[nn.Parameter], shard_index: int,
-                 memory: MemoryLedger, name: str, key: str) -> None:
+                 memory: MemoryLedger, name: str, key: str, pool: BufferPool | None = None) -> None:
         super().__init__(layout, params, shard_index, memory, key)
         self.name = name  # the unit's module path, for messages
         self._shard: torch.Tensor | None = None
         self._dtype, self._device = self.data.dtype, self.data.device
         self._home = None  # a tier (zeroshard.offload) holding the shard, when not the device
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's slice within its hpZ group
-        self.pool = None  # a BufferPool reusing full buffers between gathers (set by the assembly)
+        self.pool = pool  # reuses full buffers between gathers (None: a new one each time)
 
     @property
     def label(self) -> str:
@@ -50,11 +50,16 @@ class UnitBucket(FlatBucket):
         lo, hi = self.shard_range
         self._shard = self.data[lo:hi].clone()
         self.memory.hold("params", self.key, self._shard.numel() * self._shard.element_size())
-        self.release()
+        self._to_rest()  # the build's buffer is not pooled: no gather of this size may follow
 
     def shard(self) -> torch.Tensor:
         """This rank's shard where it lives (on the host with `offload_param`)."""
         return self._shard if self._shard is not None else super().shard()
+
+    @property
+    def home_tier(self):
+        """The tier holding the at-rest shard away from the device (offload_param), or None."""
+        return self._home
 
     def move_shard(self, tier) -> None:
         """Keep the at-rest shard on `tier` (offload_param); counted there by the ledger."""
@@ -96,12 +101,15 @@ class UnitBucket(FlatBucket):
         self.memory.release("params", f"{self.key}.secondary")
 
     def release(self) -> None:
-        nan = torch.full((), float("nan") if self._dtype.is_floating_point else 0,
-                         dtype=self._dtype, device=self._device)
-        for slot, param in zip(self.layout.slots, self.params):
-            param.data = nan.expand(slot.shape)
+        """Back to rest: the full buffer goes (to the pool, when there is one, for the next gather)."""
         if self.pool is not None:
             self.pool.give(self.data)
+        self._to_rest()
+
+    def _to_rest(self) -> None:
+        one = placeholder((), self._dtype, self._device)  # one element shared by the bucket's parameters
+        for slot, param in zip(self.layout.slots, self.params):
+            param.data = one.expand(slot.shape)
         self.data = None
         self.memory.release("params", f"{self.key}.full")
         self.memory.release("comm_buffers", f"{self.key}.fetch")

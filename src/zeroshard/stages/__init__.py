@@ -1,4 +1,5 @@
-"""Stage strategies: how gradients (and, at stage 3, parameters) are stored and reduced."""
+"""Stage strategies: how gradients (and, at stage 3, parameters) are stored and reduced;
+`build.assemble` chooses them by stage."""
 
 from zeroshard.stages.gradients import (
     AllReducedGradients,
@@ -6,8 +7,7 @@ from zeroshard.stages.gradients import (
     PartitionedGradients,
     ScatteredGradients,
 )
-from zeroshard.stages.params import PartitionedParams, ParamPublisher, ReplicatedParams
-from zeroshard.stages.strategy import build_gradients, shard_count_for
+from zeroshard.stages.params import ParamPublisher, ParamStrategy, PartitionedParams, ReplicatedParams
 
-__all__ = ["AllReducedGradients", "BucketedGradients", "ParamPublisher", "PartitionedGradients", "PartitionedParams", "ReplicatedParams",
-           "ScatteredGradients", "build_gradients", "shard_count_for"]
+__all__ = ["AllReducedGradients", "BucketedGradients", "ParamPublisher", "ParamStrategy", "PartitionedGradients",
+           "PartitionedParams", "ReplicatedParams", "ScatteredGradients"]

@@ -73,15 +73,3 @@ def broadcast_model(module: nn.Module, buckets: list[FlatBucket], comm: Comm, lo
                 handles.append(comm.broadcast(t.data, 0, what=f"initial value of {name}"))
     for h in handles:
         h.wait()
-
-
-def full_fp32_buckets(buckets: list[FlatBucket], masters: list[torch.Tensor], comm: Comm, sharded: bool):
-    """Yield (bucket, full fp32 buffer) one bucket at a time: peak = one bucket in fp32."""
-    for bucket, master in zip(buckets, masters):
-        if not sharded:
-            yield bucket, master
-            continue
-        device = bucket.device  # a host master (offload) is gathered from the device: NCCL needs it there
-        full = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=device)
-        comm.all_gather(full, master.to(device), what=f"full state dict, bucket {bucket.layout.index}").wait()
-        yield bucket, full

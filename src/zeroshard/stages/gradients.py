@@ -52,6 +52,12 @@ class _MicroState:
     first: bool = True  # first micro-step of an accumulation window
     ready: list[set[int]] = field(default_factory=list)
     launched: list[bool] = field(default_factory=list)
+    # stepping during backward: `on_final(b)` once bucket b's gradient shard is final (at the
+    # accumulation boundary, its reduction landed), and `on_overlap()` right after the next
+    # reduction is issued (and once when backward ends): what the engine does then (a
+    # sub-group's step) overlaps that reduction instead of waiting in front of it
+    on_final: Callable[[int], None] | None = None
+    on_overlap: Callable[[], None] | None = None
 
 
 class BucketedGradients:
@@ -66,22 +72,19 @@ class BucketedGradients:
         self.reduce_dtype, self.overlap, self.ignore_unused = reduce_dtype, overlap, ignore_unused
         self._state = _MicroState()
         self._pending: list[_Pending] = []
-        # stepping during backward: `on_final(b)` once bucket b's gradient shard is final (at the
-        # accumulation boundary, its reduction landed), and `on_overlap()` right after the next
-        # reduction is issued (and once when backward ends): what the engine does then (a
-        # sub-group's step) overlaps that reduction instead of waiting in front of it
-        self.on_final: Callable[[int], None] | None = None
-        self.on_overlap: Callable[[], None] | None = None
         self._hooks = Hooks()
         for b, bucket in enumerate(buckets):
             for s, p in enumerate(bucket.params):
                 self._hooks.after_grad_accumulated(p, self._hook(b, s))
 
     # -- engine-facing lifecycle --------------------------------------------------
-    def begin_backward(self, boundary: bool, first_micro: bool) -> None:
+    def begin_backward(self, boundary: bool, first_micro: bool, on_final: Callable[[int], None] | None = None,
+                       on_overlap: Callable[[], None] | None = None) -> None:
+        """`on_final` / `on_overlap`: the engine's step during backward, at the boundary (see _MicroState)."""
         self._state = _MicroState(
             reduce=self._reduces(boundary), boundary=boundary, first=first_micro,
             ready=[set() for _ in self.buckets], launched=[False] * len(self.buckets),
+            on_final=on_final if boundary else None, on_overlap=on_overlap if boundary else None,
         )
 
     def end_backward(self) -> None:
@@ -100,8 +103,8 @@ class BucketedGradients:
                 if not st.launched[b]:
                     self._launch(b)
         self.wait_all()
-        if st.boundary and self.on_overlap is not None:
-            self.on_overlap()
+        if st.on_overlap is not None:
+            st.on_overlap()
         self._state = _MicroState()  # a later backward outside the engine schedules nothing
 
     def wait_all(self) -> None:
@@ -146,16 +149,16 @@ class BucketedGradients:
             self._after_reduce(b, full)
 
         self._pending.append(_Pending(b, handle, finish))
-        if self._state.boundary and self.on_overlap is not None:
-            self.on_overlap()
+        if self._state.on_overlap is not None:
+            self._state.on_overlap()
         while len(self._pending) > self._max_in_flight():
             self._retire(self._pending.pop(0))
 
     def _retire(self, pending: _Pending) -> None:
         pending.handle.wait()
         pending.finish()
-        if self._state.boundary and self.on_final is not None:
-            self.on_final(pending.bucket)
+        if self._state.on_final is not None:
+            self._state.on_final(pending.bucket)
 
     # -- what subclasses decide -------------------------------------------------------
     def _reduces(self, boundary: bool) -> bool:
@@ -228,9 +231,9 @@ class _PersistentGradients(BucketedGradients):
                         v.add_(p.grad)
                     p.grad = v
 
-    def begin_backward(self, boundary: bool, first_micro: bool) -> None:
+    def begin_backward(self, boundary: bool, first_micro: bool, *early) -> None:
         self._attach()
-        super().begin_backward(boundary, first_micro)
+        super().begin_backward(boundary, first_micro, *early)
 
     def _arrive(self, b: int, s: int, param: nn.Parameter) -> None:
         view = self._views[b][s]
@@ -330,11 +333,11 @@ class PartitionedGradients(_Scatter, BucketedGradients):
     def _max_in_flight(self) -> int:
         return self.max_in_flight
 
-    def begin_backward(self, boundary: bool, first_micro: bool) -> None:
+    def begin_backward(self, boundary: bool, first_micro: bool, *early) -> None:
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = None
-        super().begin_backward(boundary, first_micro)
+        super().begin_backward(boundary, first_micro, *early)
 
     def _buffer(self, b: int) -> torch.Tensor:
         """The bucket's full gradient buffer, uninitialised: each slot is copied on its first

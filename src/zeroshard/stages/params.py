@@ -1,4 +1,6 @@
-"""Publishing updated parameters (stages 1 and 2): all-gather each bucket's shards.
+"""Parameter strategies: how parameters are held and published after a step.
+
+Stages 1 and 2 all-gather each bucket's shards after the step (`ParamPublisher`).
 
 The optimizer writes this rank's shard into the bucket's parameter buffer; the
 all-gather then fills every other shard in place. `allgather_bucket_size` caps the
@@ -9,8 +11,16 @@ flight at once (no staging buffer, nothing waited on before `wait()`).
 
 from __future__ import annotations
 
+import contextlib
+from typing import TYPE_CHECKING, ContextManager, Iterator, Protocol
+
+from torch import nn
+
 from zeroshard.comm import Comm, Handle
 from zeroshard.partition import FlatBucket, chunk_ranges
+
+if TYPE_CHECKING:
+    from zeroshard.stages.stage3 import Stage3Runtime
 
 
 class ParamPublisher:
@@ -36,6 +46,21 @@ class ParamPublisher:
             self._pending.pop(0).wait()
 
 
+class ParamStrategy(Protocol):
+    """How parameters are held between steps: what the engine calls around forward and
+    backward, after each bucket's optimizer step (`publish`, then `wait`), and what
+    `GatheredParameters` uses to have full values for a moment (`gathered`)."""
+
+    def begin_forward(self) -> None: ...
+    def end_forward(self) -> None: ...
+    def begin_backward(self) -> None: ...
+    def end_backward(self) -> None: ...
+    def publish(self, b: int) -> None: ...
+    def wait(self) -> None: ...
+    def gathered(self, params: list[nn.Parameter]) -> ContextManager[None]: ...
+    def remove_hooks(self) -> None: ...
+
+
 class ReplicatedParams:
     """Stages 0-2: parameters are whole on every rank; after a step, stages 1/2 all-gather
     the updated shards (stage 0 updates whole buckets and publishes nothing)."""
@@ -56,16 +81,19 @@ class ReplicatedParams:
         if self.publisher is not None:
             self.publisher.wait()
 
+    def gathered(self, params: list[nn.Parameter]) -> ContextManager[None]:
+        """Whole already: nothing to gather."""
+        return contextlib.nullcontext()
+
     def remove_hooks(self) -> None: ...
 
 
-class PartitionedParams(ReplicatedParams):
+class PartitionedParams:
     """Stage 3: gather units on demand (the runtime's hooks); after a step only the buckets
     of persistent (small, whole) parameters are all-gathered; unit shards are already final."""
 
-    def __init__(self, runtime, publisher: ParamPublisher, persistent: set[int]) -> None:
-        super().__init__(publisher)
-        self.runtime, self.persistent = runtime, persistent
+    def __init__(self, runtime: Stage3Runtime, publisher: ParamPublisher, persistent: set[int]) -> None:
+        self.runtime, self.publisher, self.persistent = runtime, publisher, persistent
 
     def begin_forward(self) -> None:
         self.runtime.begin_forward()
@@ -82,6 +110,22 @@ class PartitionedParams(ReplicatedParams):
     def publish(self, b: int) -> None:
         if b in self.persistent:
             self.publisher.publish(b)
+
+    def wait(self) -> None:
+        self.publisher.wait()
+
+    @contextlib.contextmanager
+    def gathered(self, params: list[nn.Parameter]) -> Iterator[None]:
+        """The units holding `params` gathered and kept until the block ends (a collective)."""
+        units = self.runtime.units_of(params)
+        for unit in units:
+            self.runtime.gather(unit)
+            self.runtime.pin(unit)
+        try:
+            yield
+        finally:
+            for unit in units:
+                self.runtime.unpin(unit)
 
     def remove_hooks(self) -> None:
         self.runtime.remove_hooks()

@@ -34,7 +34,6 @@ from torch.overrides import TorchFunctionMode
 from typing import Any
 
 from zeroshard.comm import Comm, Handle
-from zeroshard.partition import MemoryLedger
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import Stage3Policy
 from zeroshard.stages.hooks import Hooks, after_inputs_grad, when_grad_reaches
@@ -108,11 +107,9 @@ class Stage3Collectives:
 
 
 class Stage3Runtime:
-    def __init__(self, units: list[Unit], comm: Comm, memory: MemoryLedger, policy: Stage3Policy,
-                 external_users: dict[int, list[nn.Module]],
-                 collectives: Stage3Collectives | None = None) -> None:
-        self.units, self.comm, self.memory, self.policy = units, comm, memory, policy
-        self.collectives = collectives or Stage3Collectives.plain(comm)
+    def __init__(self, units: list[Unit], policy: Stage3Policy, external_users: dict[int, list[nn.Module]],
+                 collectives: Stage3Collectives) -> None:
+        self.units, self.policy, self.collectives = units, policy, collectives
         self.phase = Phase.IDLE
         self._trace: list[int] = []  # recorded gather order of a whole step
         self._recording: list[int] = []

@@ -16,6 +16,7 @@ from zeroshard.partition.param_shards import forget, materialize
 from zeroshard.comm import Comm, QuantizedAllGather
 from zeroshard.offload import make_tier
 from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
+from zeroshard.partition.buffer_pool import BufferPool
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import ConfigError, OffloadDevice, Settings
 from zeroshard.stages.stage3 import Stage3Collectives, Stage3Runtime, Unit
@@ -74,8 +75,9 @@ def _shard_sizes_estimate(plan, world: int, alignment: int) -> list[int]:
 
 
 def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], settings: Settings,
-                 comm: Comm, memory: MemoryLedger, device: torch.device, masters_to=None) -> Stage3Parts:
-    """`masters_to`, when given, takes each fp32 master as soon as its unit is built and returns
+                 comm: Comm, memory: MemoryLedger, device: torch.device, masters_to=None,
+                 pool: BufferPool | None = None) -> Stage3Parts:
+    """`pool` reuses the units' full buffers between gathers. `masters_to`, when given, takes each fp32 master as soon as its unit is built and returns
     what to keep in its place (`optim.nvme_swap.MasterWriter`: a placeholder, the values in a
     file); its `prepare(sizes)` runs first, on the estimated shard sizes."""
     dtype = settings.precision.compute.dtype
@@ -104,7 +106,7 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
             for lay in (_layouts(params, parts.names, group_of if kind == "t" else {}, WHOLE_UNIT, world, dtype)
                         if params else ()):
                 buckets.append(UnitBucket(lay, [params[s.index] for s in lay.slots], rank, memory,
-                                          name=up.name, key=f"unit{i}.{kind}{lay.index}"))
+                                          name=up.name, key=f"unit{i}.{kind}{lay.index}", pool=pool))
         if not agreed:
             broadcast_model(model, buckets, comm, loose=False)
         train = [b for b in buckets if b.params[0].requires_grad]
@@ -152,9 +154,8 @@ def _place_rest(model: nn.Module, in_buckets: set[int], comm: Comm, device: torc
             comm.broadcast(t.data, 0, what=f"initial value of {name}").wait()
 
 
-def make_runtime(parts: Stage3Parts, comm: Comm, memory: MemoryLedger, settings: Settings) -> Stage3Runtime:
-    return Stage3Runtime(parts.units, comm, memory, settings.zero.stage3, parts.external_users,
-                         stage3_collectives(comm, settings))
+def make_runtime(parts: Stage3Parts, comm: Comm, settings: Settings) -> Stage3Runtime:
+    return Stage3Runtime(parts.units, settings.zero.stage3, parts.external_users, stage3_collectives(comm, settings))
 
 
 def stage3_collectives(comm: Comm, settings: Settings) -> Stage3Collectives:

@@ -1,0 +1,90 @@
+"""The Engine's read-only surface for code written for DeepSpeed, DDP or Accelerate: sizes,
+ranks, the batch arithmetic, the ledgers, and module pass-throughs. Kept apart so that
+api/engine.py reads as the training loop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+log = logging.getLogger("zeroshard")
+
+
+class EngineSurface:
+    """Mixed into the Engine; reads only `settings`, `topology`, `module`, `comm`, `memory`,
+    `optimizer`, `loss_scaler` and the Engine's `_timers`."""
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.settings.batch.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.settings.batch.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.settings.batch.train_batch_size
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accepted for code written for DDP or Accelerate, and harmless: the engine already
+        reduces only at the accumulation boundary (stages 0/1) or must reduce every micro-step
+        to keep gradients sharded (stage 2). Use `gradient_accumulation_steps` instead."""
+        if not self._warned_no_sync:
+            log.warning("engine.no_sync() does nothing: accumulation follows gradient_accumulation_steps")
+            self._warned_no_sync = True
+        yield
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    # -- ledgers ------------------------------------------------------------------------------
+    def comm_stats(self, by_scope: bool = False) -> dict:
+        """Per collective: calls, elements (full logical tensor), bytes (as sent: quantized
+        payload + scales where quantized), sent_bytes, seconds. With `by_scope`, the same per
+        scope: {"intra_node": {op: ...}, "inter_node": {op: ...}}; a call on a group whose
+        ranks all live on one node (LOCAL_WORLD_SIZE consecutive ranks) is intra-node."""
+        return self.comm.ledger.stats(by_scope=by_scope)
+
+    def reset_comm_stats(self) -> None:
+        self.comm.ledger.reset()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes held now by category (params, grads, optimizer_states, comm_buffers), and peak_*."""
+        return self.memory.stats()
+
+    def reset_memory_stats(self) -> None:
+        self.memory.reset_peaks()
+
+    def timers(self) -> dict[str, float]:
+        """Cumulative seconds in forward, backward and step (wall_clock_breakdown)."""
+        return dict(self._timers)

@@ -1,0 +1,216 @@
+"""`assemble`: the one place that decides by ZeRO stage.
+
+From a model and its settings it builds everything the training loop drives: the parameter
+buckets and fp32 masters, the gradient strategy (stages 0-2 bucketed, stage 3 per unit),
+the parameter strategy (`ReplicatedParams` or `PartitionedParams`), stage 3's units, the
+tiers of the optimizer states and parameter shards (NVMe space checks and self-tests run
+here, before any shard is written), the sharded optimizer, and the start-up lines saying
+what was chosen. The Engine receives the result whole (`Assembled`) and only runs the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm, QuantizedHierarchicalReduceScatter
+from zeroshard.config.model_defaults import choose_for_model
+from zeroshard.offload import Tier, host_step_threads, optimizer_offload_tier, optimizer_tiers
+from zeroshard.optim.sharded import ShardedOptimizer
+from zeroshard.optim.template import OptimizerArg, OptimizerPlan, plan_optimizer
+from zeroshard.partition import FlatBucket, MemoryLedger
+from zeroshard.partition.buffer_pool import BufferPool
+from zeroshard.partition.heap_trim import HeapTrim
+from zeroshard.policies import ConfigError, NotSupportedYetError, OffloadDevice, Settings, Stage
+from zeroshard.stages.assembly import (
+    ModelParts,
+    broadcast_model,
+    build_buckets,
+    split_parameters,
+    take_masters_and_cast,
+)
+from zeroshard.stages.gradients import (
+    MAX_IN_FLIGHT,
+    AllReducedGradients,
+    BucketedGradients,
+    PartitionedGradients,
+    ScatteredGradients,
+)
+from zeroshard.stages.params import ParamPublisher, ParamStrategy, PartitionedParams, ReplicatedParams
+from zeroshard.stages.stage3 import Unit
+from zeroshard.stages.stage3_assembly import build_stage3, make_runtime
+
+
+@dataclass(frozen=True)
+class Assembled:
+    settings: Settings  # as given, with the bucket sizes the config left out chosen for this model
+    parts: ModelParts
+    plan: OptimizerPlan
+    buckets: list[FlatBucket]  # trainable: stages 0-2 all, stage 3 unit buckets then persistent ones
+    frozen_buckets: list[FlatBucket]  # stage 3: frozen parameters of units, sharded, never stepped
+    grads: BucketedGradients
+    params: ParamStrategy
+    optimizer: ShardedOptimizer
+    units: list[Unit]  # stage 3's gather units (empty below stage 3)
+    unit_rule: str  # how the units were chosen
+    param_tiers: list[Tier]  # tiers holding stage-3 parameter shards away from the device
+    step_early: bool  # optimizer sub-groups step during backward
+    step_mode: str  # the start-up line saying when the optimizer steps, and why
+    host_threads: str  # the host step's threads ("" when no optimizer state is on the host)
+    heap_trim: HeapTrim
+    nvme_lines: list[str]  # NVMe space checks, self-tests and knobs
+
+
+def shard_count_for(stage: Stage, world_size: int) -> int:
+    """How many ways optimizer state is split: stage 0 keeps it whole on every rank."""
+    return 1 if stage == Stage.DATA_PARALLEL else world_size
+
+
+def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLedger, pool: BufferPool,
+             optimizer: OptimizerArg = None) -> Assembled:
+    """Put `module` into buckets (stage 3: units, one at a time) and build the strategies and the
+    sharded optimizer over them. Collective: every rank calls it with the same model."""
+    topology = comm.topology
+    stage3 = settings.zero.stage == Stage.PARAMETERS
+    if not stage3:
+        module.to(topology.device)  # stage 3 moves one unit at a time
+    parts = split_parameters(module)
+    # bucket sizes the config left out are chosen for this model (and printed)
+    settings = choose_for_model(settings, sum(p.numel() for p in parts.trainable))
+    zero, dtype = settings.zero, settings.precision.compute.dtype
+    plan = plan_optimizer(optimizer, settings.optimizer, parts.trainable, topology.device)
+    offload = optimizer_offload_tier(zero.offload_optimizer, topology.device, settings.aio, topology.rank)
+    writer = _early_masters(offload, settings, plan, topology.local_world_size)
+    units: list[Unit] = []
+    unit_rule = ""
+    if stage3:
+        s3 = build_stage3(module, parts, plan.group_of, settings, comm, memory, topology.device, writer, pool)
+        buckets, masters, frozen, units, unit_rule = s3.trainable, s3.masters, s3.frozen, s3.units, s3.rule
+        _cast_rest(module, dtype)
+        grads = build_gradients(settings, buckets, comm, memory, pool)
+        publisher = ParamPublisher(buckets, comm, zero.allgather_bucket_size)
+        params: ParamStrategy = PartitionedParams(make_runtime(s3, comm, settings), publisher, s3.persistent)
+    else:
+        shards = shard_count_for(zero.stage, topology.world_size)
+        buckets = build_buckets(parts, plan.group_of, zero.reduce_bucket_size, shards,
+                                topology.rank if shards > 1 else 0, memory, dtype)
+        broadcast_model(module, buckets, comm)
+        masters = take_masters_and_cast(buckets, dtype)
+        _cast_rest(module, dtype)
+        frozen = []
+        grads = build_gradients(settings, buckets, comm, memory, pool)
+        publisher = ParamPublisher(buckets, comm, zero.allgather_bucket_size)
+        params = ReplicatedParams(publisher if grads.publishes_params else None)
+    sharded = {id(p) for bucket in frozen for p in bucket.params}  # counted by their buckets
+    memory.hold("params", "frozen", sum(p.numel() * p.element_size() for p in parts.frozen if id(p) not in sharded))
+    # a sub-group's 16-bit gradients are upcast to fp32 together: at most one bucket's worth
+    sub_group = min(zero.sub_group_size, zero.reduce_bucket_size)
+    sizes = [b.shard().numel() for b in buckets]
+    tiers = optimizer_tiers(zero.offload_optimizer, sizes, topology.device, offload)
+    on_host = any(t.name in ("host", "nvme") for t in tiers)
+    host_threads = host_step_threads(topology.local_world_size)[1] if on_host else ""
+    param_tiers = list({id(t): t for u in units for b in u.buckets if (t := b.home_tier) is not None}.values())
+    nvme_lines = [line for t in param_tiers for line in getattr(t, "startup_lines", [])]
+    nvme_lines += _prepare_nvme(tiers, sizes, writer, settings, plan, topology.local_world_size)
+    sharded_optimizer = ShardedOptimizer(buckets, masters, plan.build, plan.group_options, memory, sub_group, tiers,
+                                         zero.offload_optimizer.buffer_count)
+    step_early, step_mode = step_during_backward(settings, sharded_optimizer.can_step_early)
+    host_in_use = topology.device.type == "cpu" or on_host or zero.offload_param.device is not OffloadDevice.NONE
+    return Assembled(settings, parts, plan, buckets, frozen, grads, params, sharded_optimizer, units, unit_rule,
+                     param_tiers, step_early, step_mode, host_threads,
+                     HeapTrim(settings.runtime.trim_host_memory, host_in_use), nvme_lines)
+
+
+def _cast_rest(module: nn.Module, dtype: torch.dtype) -> None:
+    if dtype != torch.float32:
+        module.to(dtype)  # parameters outside buckets and buffers
+
+
+def _early_masters(offload, settings: Settings, plan: OptimizerPlan, sharers: int):
+    """Stage 3 in 16 bits with every master in NVMe files: the build writes each unit's fp32
+    masters to the file as it goes (`MasterWriter`) instead of holding them all until the
+    optimizer is made. None otherwise (fp32 steps the shards themselves; a `ratio` below 1
+    decides per shard once every size is known)."""
+    zero = settings.zero
+    if (offload is None or offload.name != "nvme" or zero.stage != Stage.PARAMETERS
+            or zero.offload_optimizer.ratio < 1.0 or settings.precision.compute.dtype == torch.float32):
+        return None
+    from zeroshard.optim.nvme_swap import MasterWriter
+
+    return MasterWriter(offload, plan.build, plan.group_options, sharers, zero.offload_optimizer)
+
+
+def _prepare_nvme(tiers: list[Tier], sizes: list[int], writer, settings: Settings, plan: OptimizerPlan,
+                  sharers: int) -> list[str]:
+    """offload_optimizer: nvme: space check and I/O self-test before any shard is written
+    (done by the build already when it wrote the masters as it went)."""
+    nvme = [t for t in tiers if t.name == "nvme"]
+    if not nvme:
+        return []
+    if writer is not None:
+        return writer.lines + ["nvme optimizer masters: written to the file unit by unit as the model was built"]
+    from zeroshard.optim.nvme_swap import prepare_disk
+
+    return prepare_disk(nvme[0], [n for n, t in zip(sizes, tiers) if t.name == "nvme"], plan.build,
+                        plan.group_options, sharers, settings.zero.offload_optimizer)
+
+
+def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
+                    memory: MemoryLedger, pool: BufferPool | None = None) -> BucketedGradients:
+    """The gradient strategy of the stage."""
+    zero = settings.zero
+    common = dict(
+        reduce_dtype=settings.precision.reduce.dtype,
+        overlap=zero.overlap_comm,
+        ignore_unused=zero.ignore_unused_parameters,
+    )
+    if zero.stage == Stage.DATA_PARALLEL:
+        return AllReducedGradients(buckets, comm, memory, **common)
+    if zero.stage == Stage.OPTIMIZER_STATES:
+        return ScatteredGradients(buckets, comm, memory, use_all_reduce=not zero.reduce_scatter, **common)
+    if zero.stage in (Stage.GRADIENTS, Stage.PARAMETERS):
+        reducer = None
+        if zero.stage == Stage.PARAMETERS and zero.zeropp.quantized_gradients and comm.world_size > 1:
+            # qgZ: the reduce-scatter becomes a 2-hop quantized all-to-all (it replaces the
+            # all-reduce of reduce_scatter=false as well: it is the reduction)
+            hierarchy = comm.topology.hierarchy(zero.zeropp.hpz_partition_size, comm.timeout_s)
+            reducer = QuantizedHierarchicalReduceScatter(comm, hierarchy)
+        return PartitionedGradients(buckets, comm, memory, contiguous=zero.contiguous_gradients,
+                                    use_all_reduce=not zero.reduce_scatter and reducer is None, reducer=reducer,
+                                    pool=pool, max_in_flight=MAX_IN_FLIGHT, **common)
+    raise NotSupportedYetError(f"zero_optimization.stage = {int(zero.stage)}: not supported")
+
+
+def step_during_backward(settings: Settings, optimizer_can: bool) -> tuple[bool, str]:
+    """Whether each optimizer sub-group steps as soon as its gradient shard is final (during
+    backward, overlapping the rest of it and its reductions), and the start-up line saying why.
+    At stage 3 a unit's shard is updated once its gradients are reduced: backward never reads
+    it again (its own gathered copy, or the hpZ secondary, serve the rest of the pass).
+
+    Global clipping needs the norm of every gradient before any step, and an fp16 overflow
+    anywhere skips the step everywhere: both wait for the end of backward, as DeepSpeed always
+    does. `zeroshard.step_during_backward` true where that cannot be honoured is an error."""
+    asked = settings.runtime.step_during_backward
+    forbid = []
+    if settings.gradient_clipping > 0:
+        forbid.append(f"gradient_clipping = {settings.gradient_clipping:g} needs the global norm first")
+    if settings.precision.loss_scale is not None:
+        forbid.append("fp16 loss scaling must see every gradient for overflow first")
+    if settings.zero.offload_param.device == OffloadDevice.NVME:
+        forbid.append("offload_param nvme reads parameter shards ahead along the recorded order, "
+                      "which an update during backward would overtake")
+    if not optimizer_can:
+        forbid.append("the NVMe tier pipelines the sub-groups in order after backward")
+    if asked is False:
+        return False, "after backward (zeroshard.step_during_backward = false)"
+    if forbid:
+        if asked:
+            raise ConfigError("zeroshard.step_during_backward = true cannot be honoured: "
+                              f"{'; '.join(forbid)}. Remove the key or set it to false.")
+        return False, f"after backward ({'; '.join(forbid)})"
+    return True, ("during backward: each sub-group as soon as its gradients are reduced, overlapping "
+                  "the rest of backward (no clipping, no fp16 overflow check; a non-finite gradient is "
+                  "applied, as in DDP, not skipped; zeroshard.step_during_backward = false steps after "
+                  "backward and skips such steps)")
