@@ -1,5 +1,7 @@
 """`zeroshard inspect CKPT`: what a checkpoint holds, with every file's sha256 verified.
 
+CKPT may also be a checkpoint DeepSpeed wrote (its files checked by their CRC-32).
+
 Prints the step, world size, stage and optimizer it was saved with, the bucket
 layout, and each rank file's size and checksum status. Exits 1 when a file fails
 its check, 2 when CKPT is not a readable checkpoint.
@@ -53,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
                   f"({r['skipped_steps']} skipped), {r['world_size']} rank(s), stage {r['stage']}, "
                   f"compute {r['compute_dtype']}, {r['optimizer']} ({', '.join(r['optimizer_states']) or 'no state'})"
                   f"{', scheduler ' + r['lr_scheduler'] if r['lr_scheduler'] else ''}")
+    if r.get("format") == "deepspeed":
+        console.print(f"written by DeepSpeed {r['deepspeed_version']}: loads as it is (engine.load_checkpoint) or "
+                      "after `zeroshard convert`; files checked by their zip records' CRC-32 (DeepSpeed records no "
+                      "sha256); buckets are DeepSpeed's flat groups (stage 3: sub-groups)")
     tied = ", ".join(f"{a} = {c}" for a, c in r["tied"].items()) or "none"
     console.print(f"parameters {r['parameters']:,} ({r['trainable_parameters']:,} trainable); tied: {tied}")
     layout = Table(title="layout", title_justify="left")
@@ -72,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
     for f in r["files"]:
         check = "[green]ok[/green]" if f["check"] == "ok" else f["check"] if f["check"] == "not checked" \
             else f"[red]{f['check']}[/red]"
-        files.add_row(f["file"], str(f["rank"]), _size(f["bytes"]), f["sha256"][:16] + "…", check)
+        files.add_row(f["file"], str(f["rank"]), _size(f["bytes"]), f["sha256"][:16] + "…" if f["sha256"] else "-", check)
     console.print(files)
     return 0 if r["ok"] else 1

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("train", "launch", "estimate", "plan", "bench", "export", "inspect")
+COMMANDS = ("train", "launch", "estimate", "plan", "bench", "export", "inspect", "convert")
 PACKAGED = {"train": "zeroshard.cli.train.command", "bench": "zeroshard.bench.command"}
 
 

@@ -478,7 +478,13 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None):
         return DeepSpeedCheckpoint(path, tag)
     from zeroshard.checkpoint.reader import CheckpointReader
 
-    return CheckpointReader(path, tag)
+    try:
+        return CheckpointReader(path, tag)
+    except CheckpointError as exc:
+        if "not a zeroshard checkpoint" not in str(exc):
+            raise
+        raise CheckpointError(f"{exc}; nor is it a checkpoint DeepSpeed wrote (no *_model_states.pt or "
+                              "*_optim_states.pt files there or in the tag 'latest' names)") from None
 
 
 def summary(path: str | os.PathLike, tag: str | None = None, verify: bool = True) -> dict[str, Any]:

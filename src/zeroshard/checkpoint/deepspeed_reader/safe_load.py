@@ -120,7 +120,15 @@ def _explain(path: str, exc: Exception) -> CheckpointError:
 
 def check_complete(path: str) -> None:
     """Every record of the zip archive present and its CRC-32 right (streamed; nothing is
-    unpickled): the file is the one torch.save wrote, not truncated or altered."""
+    unpickled): the file is the one torch.save wrote, not truncated or altered. A file in
+    torch's pre-1.6 format (a bare pickle, no zip) has no checksums: loading it checks it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if head[:1] == b"\x80" and head != b"PK\x03\x04":
+        return
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
