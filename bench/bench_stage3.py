@@ -48,11 +48,9 @@ import datetime
 import logging
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also in the spawned children
@@ -113,18 +111,15 @@ def run_fsdp2(rank: int, world: int, args) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState  # noqa: F401 (version check)
+
+    from zeroshard.bench import peers
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,))
     model = _model(args)
     nparams = sum(p.numel() for p in model.parameters())
-    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-                 if args.bf16 else MixedPrecisionPolicy())
-    for block in model.h:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    peers.fsdp2(model, ["Block"], args.bf16, reduce_dtype=torch.bfloat16, mesh=mesh)  # each block, then the root
     kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     try:
         opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
@@ -296,26 +291,12 @@ def run_zs3(rank: int, world: int, args) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Spawning (the same scheme as bench_stages.run_variant, for this file's two rank functions)
+# Spawning (bench_stages.spawn_ranks, for this file's two rank functions)
 # ---------------------------------------------------------------------------------------------
-
-def _rank_entry(rank: int, world: int, port: int, args, name: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        out = (run_zs3 if name == "zs3" else run_fsdp2)(rank, world, args)
-        out["rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        queue.put((rank, True, out))
-    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-
 
 def run_variant(args, name: str, world: int = 2, timeout: float = 900) -> tuple[Result, dict]:
     started = time.perf_counter()
-    outs = spawn_ranks(_rank_entry, (args, name), name, world, timeout)
+    outs = spawn_ranks(run_zs3 if name == "zs3" else run_fsdp2, (args,), world, timeout)
     r0 = outs[0]
     other = other_load(outs)
     result = Result(

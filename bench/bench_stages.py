@@ -45,18 +45,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
-from queue import Empty
 from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from distributed import run_ranks  # noqa: E402  (the one rank spawner: tests and benches)
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.01
 BUCKET_MB = 25  # DDP's default bucket_cap_mb
@@ -187,19 +186,18 @@ def run_baseline(rank: int, world: int, args, variant: Variant) -> dict[str, Any
 
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zeroshard.bench import peers
 
     dist.init_process_group("gloo")
     model = _model(args)
-    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    ddp = peers.ddp(model, bucket_cap_mb=BUCKET_MB)
+    kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     if variant.kind == "ddp":
-        opt = torch.optim.AdamW(ddp.parameters(), **kw)
+        opt = torch.optim.AdamW(ddp.parameters(), fused=True, **kw)
         inner = opt
     else:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **kw)
+        opt = peers.zero_redundancy(ddp.parameters(), **kw)
         inner = opt.optim
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
     grad_bytes = [0]
@@ -283,25 +281,11 @@ def run_zeroshard(rank: int, world: int, args, variant: Variant) -> dict[str, An
     return out
 
 
-def _rank_entry(rank: int, world: int, port: int, args, variant: Variant, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        fn = run_zeroshard if variant.kind == "zs" else run_baseline
-        out = fn(rank, world, args, variant)
-        out["rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        queue.put((rank, True, out))
-    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _measured(rank: int, world: int, fn, *payload) -> dict[str, Any]:
+    """fn's figures on this rank, with its peak RSS."""
+    out = fn(rank, world, *payload)
+    out["rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return out
 
 
 def wait_for_quiet(max_wait: float, threshold: float = 0.25, window: float = 2.0) -> float:
@@ -316,30 +300,10 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.25, window: float = 2.0
             return load
 
 
-def spawn_ranks(entry, payload: tuple, name: str, world: int = 2, timeout: float = 900) -> dict[int, dict]:
-    """Run entry(rank, world, port, *payload, queue) on `world` spawned processes; their results by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=entry, args=(r, world, port, *payload, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    outs: dict[int, dict] = {}
-    try:
-        for _ in range(world):
-            try:
-                rank, ok, value = queue.get(timeout=timeout)
-            except Empty:
-                raise RuntimeError(f"{name}: ranks did not finish within {timeout}s") from None
-            if not ok:
-                raise RuntimeError(f"{name}: rank {rank} failed:\n{value}")
-            outs[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return outs
+def spawn_ranks(fn, payload: tuple, world: int = 2, timeout: float = 900) -> dict[int, dict]:
+    """fn(rank, world, *payload) on `world` spawned ranks (tests/distributed.py's spawner, one thread
+    each); their results, with peak RSS, by rank."""
+    return dict(enumerate(run_ranks(_measured, world, fn, *payload, timeout=timeout)))
 
 
 def other_load(outs: dict[int, dict]) -> list[float]:
@@ -352,7 +316,7 @@ def other_load(outs: dict[int, dict]) -> list[float]:
 
 def run_variant(args, variant: Variant, world: int = 2, timeout: float = 900) -> Result:
     started = time.perf_counter()
-    outs = spawn_ranks(_rank_entry, (args, variant), variant.name, world, timeout)
+    outs = spawn_ranks(run_zeroshard if variant.kind == "zs" else run_baseline, (args, variant), world, timeout)
     r0 = outs[0]
     other = other_load(outs)
     return Result(

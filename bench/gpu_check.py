@@ -702,28 +702,9 @@ def section_speed(ctx):
     return rows
 
 
-def _torch_step(model, opt, autocast):
-    """One training step of a torch-wrapped model (DDP, FSDP2); `autocast` a device type for bf16
-    autocast, or None when the wrapper casts itself."""
-    import contextlib
-
-    import torch
-
-    def step(x, y):
-        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            loss = loss_of(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.item())
-
-    return step
-
-
 def build_system(system, sz, dev):
-    """A callable (x, y) -> loss float doing one bf16 training step of `system` on the 1-rank group."""
-    import torch
-
+    """A callable (x, y) -> loss float doing one bf16 training step of `system` on the 1-rank group
+    (DDP and FSDP2: zeroshard.bench.peers' runner)."""
     model = make_model("gpt", sz)
     if system in ("zs2", "zs3"):
         import zeroshard
@@ -739,42 +720,31 @@ def build_system(system, sz, dev):
         step.engine = engine
         return step
     if system == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        from zeroshard.bench import peers
 
         model.to(dev)
-        wrapped = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-        return _torch_step(wrapped, torch_opt("sgd", wrapped.parameters()), autocast=dev.type)
+        wrapped = peers.ddp(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        return peers.PeerRunner(model, wrapped, torch_opt("sgd", wrapped.parameters()), autocast=True).step
     if system == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from zeroshard.bench import peers
 
         model.to(dev)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for m in model.modules():
-            if type(m).__name__ == UNIT["gpt"]:
-                fully_shard(m, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        return _torch_step(model, torch_opt("sgd", model.parameters()), autocast=None)  # bf16 by its policy
+        peers.fsdp2(model, [UNIT["gpt"]], bf16=True)  # param bf16, reduce fp32: no autocast
+        return peers.PeerRunner(model, model, torch_opt("sgd", model.parameters()), autocast=False).step
     if system == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cuda")
         try:
-            import deepspeed
+            import deepspeed  # noqa: F401
         except Exception:
             return None
+        from zeroshard.bench import peers
+
         cfg = {"train_micro_batch_size_per_gpu": sz["micro"], "gradient_accumulation_steps": 1,
                "gradient_clipping": 0.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
                "zero_optimization": {"stage": 2, "reduce_bucket_size": sz["bucket"]},
                "zero_allow_untested_optimizer": True}  # a client torch optimizer under ZeRO
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               optimizer=torch_opt("sgd", model.parameters()), config=cfg,
-                                               dist_init_required=False)
-
-        def step(x, y):
-            loss = loss_of(engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            return float(loss.item())
-
-        return step
+        engine, opt = peers.deepspeed_engine(model, cfg, torch_opt("sgd", model.parameters()))
+        return peers.DeepSpeedRunner(model, engine, opt, autocast=False).step
     raise ValueError(system)
 
 

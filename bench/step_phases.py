@@ -1,34 +1,39 @@
-"""Where a step's time goes, per rank: DDP or a zeroshard stage on the peer harness' workload.
+"""Where a step's time goes, per rank: DDP or a zeroshard stage on `zeroshard bench`'s workload.
 
     torchrun --standalone --nproc_per_node 2 bench/step_phases.py --system zs2
     torchrun --standalone --nproc_per_node 2 bench/step_phases.py --system ddp
-    PEER_MODEL=150M PEER_STEPS=6 torchrun ... bench/step_phases.py --system zs3 --zero '{"reduce_bucket_size": 3e6}'
+    torchrun ... bench/step_phases.py --model 150M --steps 6 --system zs3 --zero '{"reduce_bucket_size": 3e6}'
 
-Per rank, medians over the timed steps (the workload's PEER_* variables: model, warm-up and
-timed steps): wall and process CPU seconds (all threads, gloo's included) of forward (with the
-loss), backward and the optimizer step; minor page faults and system CPU per step; and for
-zeroshard the seconds per step spent blocked in each kind of collective's `wait()` (gradient
-reductions, parameter gathers, the gradient norm), which is where a rank waits for its peer or
-for communication that did not overlap. `--trace` prints every wait of the last step with its
-time from the start of the step. The same barrier before every step as the harness; nothing
-here is compared across systems, it explains one system's step (bench/RESULTS.md).
+Per rank, medians over the timed steps (the workload, systems and AdamW of zeroshard.bench, as
+`zeroshard bench` runs them: --model, --warmup, --steps, --micro-batch, --seq-len): wall and
+process CPU seconds (all threads, gloo's included) of forward (with the loss), backward and the
+optimizer step; minor page faults and system CPU per step; and for zeroshard the seconds per
+step spent blocked in each kind of collective's `wait()` (gradient reductions, parameter
+gathers, the gradient norm), which is where a rank waits for its peer or for communication
+that did not overlap. `--trace` prints every wait of the last step with its time from the start
+of the step. The same barrier before every step as the harness; nothing here is compared
+across systems, it explains one system's step (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.environ.get("PEERS", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench-peers")))
-import workload as W  # noqa: E402  (the peer harness' workload: model, data, loss, AdamW settings)
+from zeroshard.bench import peers
+from zeroshard.bench.command import model_spec
+from zeroshard.bench.engine import bench_config
+from zeroshard.bench.systems import SYSTEMS
+from zeroshard.bench.worker import DATA_TOKENS
+from zeroshard.cli.train.data import rank_batch
+from zeroshard.cli.train.model import build_model
+from zeroshard.models import synthetic_tokens
 
 
 class WaitClock:
@@ -55,24 +60,17 @@ class WaitClock:
         collectives.Handle.wait = wait
 
 
-def build(system: str, spec, zero_extra: dict):
-    """(forward, backward, step, wait clock or None) for `system`."""
-    model = W.build_model(spec)
+def build(system: str, tm, micro_batch: int, zero_extra: dict):
+    """(forward(x, y) -> loss, backward, step, wait clock or None) for `system`: zeroshard bench's."""
     if system == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ddp = DDP(model, gradient_as_bucket_view=True)
-        opt = torch.optim.AdamW(ddp.parameters(), **W.adamw_kwargs(spec), fused=True)
-        return ddp, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()), None
+        runner = peers.build_peer(SYSTEMS["ddp"], tm.module, tm.unit_classes, micro_batch, False, torch.device("cpu"))
+        return lambda x, y: runner.wrapper(x, y)[1], lambda loss: loss.backward(), runner.optimizer_step, None
     import zeroshard
 
-    cfg = {"train_micro_batch_size_per_gpu": spec.micro_batch, "gradient_accumulation_steps": 1,
-           "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": int(system[2:]), **zero_extra},
-           "optimizer": {"type": "AdamW", "params": dict(lr=spec.lr, betas=list(spec.betas), eps=spec.eps,
-                                                       weight_decay=spec.weight_decay)}}
-    engine = zeroshard.initialize(model, cfg)
-    return engine, engine.backward, engine.step, WaitClock()
+    cfg = bench_config(SYSTEMS[system], micro_batch, False, tm.unit_classes, "")
+    cfg["zero_optimization"].update(zero_extra)
+    engine = zeroshard.initialize(tm.module, cfg)
+    return lambda x, y: engine(x, y)[1], engine.backward, engine.step, WaitClock()
 
 
 def main() -> None:
@@ -80,40 +78,48 @@ def main() -> None:
     ap.add_argument("--system", default="zs2", choices=["ddp", "zs0", "zs1", "zs2", "zs3"])
     ap.add_argument("--zero", default="{}", help="extra zero_optimization keys for zeroshard, as JSON")
     ap.add_argument("--trace", action="store_true", help="print every wait of the last step")
+    ap.add_argument("--model", default="50M", help="as `zeroshard bench --model` (default 50M)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    ap.add_argument("--micro-batch", type=int, default=4, help="samples per rank per step (default 4)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    spec = W.WorkloadSpec.from_env()
-    forward, backward, step, clock = build(args.system, spec, json.loads(args.zero))
+    torch.manual_seed(args.seed)
+    tm = build_model(model_spec(args.model))
+    tokens = synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=args.seed)
+    forward, backward, step, clock = build(args.system, tm, args.micro_batch, json.loads(args.zero))
     rows = []
-    for s in range(spec.total_steps):
-        inp, tgt = W.get_batch(spec, s, rank, world)
+    for s in range(args.warmup + args.steps):
+        inp, tgt = rank_batch(tokens, args.micro_batch, args.seq_len, s, rank, world, args.seed)
         dist.barrier()
         if clock is not None:
-            if s == spec.warmup_steps:
+            if s == args.warmup:
                 clock.seconds.clear()
             clock.trace.clear()
         marks = [(time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF))]
         if clock is not None:
             clock.start = marks[0][0]
-        loss = W.loss_fn(forward(inp), tgt)
+        loss = forward(inp, tgt)
         marks.append((time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)))
         backward(loss)
         marks.append((time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)))
         step()
         marks.append((time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)))
-        if s >= spec.warmup_steps:
+        if s >= args.warmup:
             (w0, c0, r0), end = marks[0], marks[-1]
             rows.append([b[0] - a[0] for a, b in zip(marks, marks[1:])] + [end[0] - w0]
                         + [b[1] - a[1] for a, b in zip(marks, marks[1:])] + [end[1] - c0]
                         + [end[2].ru_minflt - r0.ru_minflt, end[2].ru_stime - r0.ru_stime])
     med = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
-    waits = {k: v / spec.timed_steps for k, v in clock.seconds.items()} if clock is not None else {}
+    waits = {k: v / args.steps for k, v in clock.seconds.items()} if clock is not None else {}
     every = [None] * world
     dist.all_gather_object(every, (med, waits, clock.trace if (clock is not None and args.trace) else []))
     if rank == 0:
-        print(f"{args.system}, {spec.timed_steps} timed steps, medians per rank (seconds)")
+        print(f"{args.system}, {args.steps} timed steps, medians per rank (seconds)")
         print("| rank | wall fwd | bwd | step | total | CPU fwd | bwd | step | total | page faults | sys CPU | "
               "blocked in wait() per step |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroshard.bench.results import formula_bytes, stage_phi
+from zeroshard.bench.results import MiB, formula_bytes, stage_phi
 
 __all__ = ["answers"]
-
-MiB = 2**20
-
 
 def _mib(b: float) -> str:
     return f"{b / MiB:,.1f} MiB"

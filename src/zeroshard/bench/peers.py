@@ -5,7 +5,8 @@ steps them and counts the tensors they hold.
 
 Every runner has the same surface: `step(x, y) -> loss` (forward, backward, optimizer step,
 gradients cleared), `module`, `model_states()` (bytes by category, counted from the real
-tensors after a backward and after a step, each storage once) and `close()`.
+tensors after a backward and after a step, each storage once) and `close()`. The builders
+(`ddp`, `zero_redundancy`, `fsdp2`, `deepspeed_engine`) are the ones the scripts in bench/ use.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from zeroshard.bench.systems import BenchSystem
 
-__all__ = ["AdamW", "PeerRunner", "TensorCount", "build_peer"]
+__all__ = ["AdamW", "PeerRunner", "TensorCount", "build_peer", "ddp", "deepspeed_engine", "fsdp2", "zero_redundancy"]
 
 
 class AdamW:
@@ -175,31 +176,49 @@ class DeepSpeedRunner(PeerRunner):
         return {k: max(after_backward[k], after_step[k]) for k in after_backward}
 
 
+def ddp(module: nn.Module, **ddp_kwargs):
+    """torch DDP over `module` (the one place a benchmark builds it): its users' defaults plus
+    `ddp_kwargs` (`zeroshard bench`: gradient_as_bucket_view=True)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(module, **ddp_kwargs)
+
+
+def zero_redundancy(params, **adamw_kwargs):
+    """torch ZeroRedundancyOptimizer over AdamW(fused) (DDP + ZeRO-1 as torch offers it)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, fused=True, **adamw_kwargs)
+
+
+def fsdp2(module: nn.Module, unit_classes: list[str], bf16: bool, reduce_dtype=torch.float32, mesh=None):
+    """FSDP2 as its users write it: `fully_shard` on each unit (modules of `unit_classes`), then the
+    root; bf16: MixedPrecisionPolicy(param bf16, reduce `reduce_dtype`). Returns `module`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)} if bf16 else {}
+    if mesh is not None:
+        kw["mesh"] = mesh
+    for m in module.modules():
+        if type(m).__name__ in unit_classes:
+            fully_shard(m, **kw)
+    fully_shard(module, **kw)
+    return module
+
+
 def build_peer(system: BenchSystem, module: nn.Module, unit_classes: list[str], micro_batch: int,
                bf16: bool, device: torch.device) -> PeerRunner:
     """The peer `system` over `module` (already on every rank with the same weights)."""
     module.to(device)
     if system.family in ("ddp", "zero1_torch"):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        wrapper = DDP(module, gradient_as_bucket_view=True)
+        wrapper = ddp(module, gradient_as_bucket_view=True)
         if system.family == "ddp":
             opt = torch.optim.AdamW(wrapper.parameters(), fused=True, **AdamW.kwargs())
         else:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            opt = ZeroRedundancyOptimizer(wrapper.parameters(), optimizer_class=torch.optim.AdamW, fused=True,
-                                          **AdamW.kwargs())
+            opt = zero_redundancy(wrapper.parameters(), **AdamW.kwargs())
         return PeerRunner(module, wrapper, opt, autocast=bf16)
     if system.family == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 \
-            else {}
-        for m in module.modules():
-            if type(m).__name__ in unit_classes:
-                fully_shard(m, **kw)
-        fully_shard(module, **kw)
+        fsdp2(module, unit_classes, bf16)
         opt = torch.optim.AdamW(module.parameters(), fused=True, **AdamW.kwargs())
         return PeerRunner(module, module, opt, autocast=False)
     if system.family == "deepspeed":
@@ -207,11 +226,19 @@ def build_peer(system: BenchSystem, module: nn.Module, unit_classes: list[str], 
     raise ValueError(f"{system.name}: not a peer system (family {system.family})")
 
 
-def _deepspeed(system: BenchSystem, module: nn.Module, micro_batch: int, bf16: bool) -> DeepSpeedRunner:
+def deepspeed_engine(module: nn.Module, config: dict[str, Any], client=None):
+    """DeepSpeed's engine over `module` with `config` and an optional client optimizer; (engine,
+    its optimizer). DeepSpeed's accelerator is the model's device unless DS_ACCELERATOR says."""
     on_cuda = next(module.parameters()).device.type == "cuda"
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")  # DeepSpeed's device = the model's
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_cuda else "cpu")
     import deepspeed
 
+    engine, opt, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
+                                             optimizer=client, config=config, dist_init_required=False)
+    return engine, opt
+
+
+def _deepspeed(system: BenchSystem, module: nn.Module, micro_batch: int, bf16: bool) -> DeepSpeedRunner:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -227,6 +254,5 @@ def _deepspeed(system: BenchSystem, module: nn.Module, micro_batch: int, bf16: b
         cfg["optimizer"] = AdamW.config()
     else:  # the same fused torch kernel as every other system
         client = torch.optim.AdamW(module.parameters(), fused=True, **AdamW.kwargs())
-    engine, opt, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                             optimizer=client, config=cfg, dist_init_required=False)
+    engine, opt = deepspeed_engine(module, cfg, client)
     return DeepSpeedRunner(engine.module, engine, opt, autocast=False)

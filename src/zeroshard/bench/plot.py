@@ -8,10 +8,9 @@ import importlib.util
 import os
 from typing import Any
 
+from zeroshard.bench.results import MiB
+
 __all__ = ["plot_available", "write_png"]
-
-MiB = 2**20
-
 
 def plot_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None

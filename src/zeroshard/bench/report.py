@@ -11,11 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard.bench.answers import answers
+from zeroshard.bench.results import MiB
 
 __all__ = ["add_report", "print_report", "system_table", "write_outputs"]
-
-MiB = 2**20
-
 
 def add_report(result: dict[str, Any]) -> dict[str, Any]:
     """Each model's `report`: the explainer's questions answered from its rows."""

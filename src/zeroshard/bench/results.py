@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["PAIRS", "formula_bytes", "loss_agreement", "merge_ranks", "ratios", "stage_phi"]
+__all__ = ["MiB", "PAIRS", "formula_bytes", "loss_agreement", "merge_ranks", "ratios", "stage_phi"]
 
 MiB = 2**20
 
