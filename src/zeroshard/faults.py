@@ -1,16 +1,11 @@
-"""Fault injection for tests: the one place production code reads a test hook.
+"""Fault injection for tests, the one place production code reads a test hook (documented in
+docs/reliability.md, "Fault injection"). `ZEROSHARD_FAULT=<point>:<argument>` arms one named
+point; unset, every point is a no-op. Tests arm a child with `env.update(setting(point, arg))`.
 
-`ZEROSHARD_FAULT=<point>:<argument>` arms one named point; unset (the normal case) every
-point is a no-op. Nothing else in zeroshard reads a test hook from the environment.
-
-    pause:<phase>       a checkpoint save announces `zeroshard-checkpoint-paused <phase>` on
-                        stderr and waits PAUSE_S there, so a test can kill it at that phase
-                        (prepared, rank_file, written, renamed, latest; checkpoint/save.py)
-    kill:<rank>:<step>  `zeroshard train`'s rank <rank> sends itself SIGKILL just before
-                        training step <step> (0-based), in torchrun's first attempt only
-
-Tests arm a point in a child's environment with `env.update(setting(point, argument))`.
-Documented in docs/reliability.md ("Fault injection").
+    pause:<phase>       a checkpoint save stops at <phase> (prepared, rank_file, written, renamed,
+                        latest), says so on stderr and waits PAUSE_S, for a test to kill it
+    kill:<rank>:<step>  `zeroshard train`'s rank <rank> sends itself SIGKILL just before step
+                        <step> (0-based), in torchrun's first attempt only
 """
 
 from __future__ import annotations

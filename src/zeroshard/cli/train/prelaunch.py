@@ -12,7 +12,6 @@ file), so these checks only move errors earlier, never change what is accepted:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from zeroshard.policies import ZeroShardError
