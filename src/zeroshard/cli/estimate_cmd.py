@@ -22,8 +22,8 @@ from zeroshard.estimate.lora import (
     add_adapters, lora_from_hf_config, lora_from_module, lora_from_shape, parse_targets,
 )
 from zeroshard.estimate.model_size import build_on_meta, load_config
-from zeroshard.estimate.planner import NVME_SUB_GROUP_SIZE, _bucket_sizes
-from zeroshard.estimate.units import GIB, parse_count
+from zeroshard.estimate.planner import NVME_SUB_GROUP_SIZE, bucket_sizes as _bucket_sizes
+from zeroshard.estimate.byte_units import GIB, parse_count
 from zeroshard.policies import ConfigError, ZeroShardError
 
 DEFAULT_GPU = "a100-80gb"

@@ -7,14 +7,15 @@ from zeroshard.estimate.comm import Collective, CommEstimate, estimate_comm, rin
 from zeroshard.estimate.deepspeed_compat import ds_estimate_zero2, ds_estimate_zero3
 from zeroshard.estimate.hardware import GPUS, INTER_NODE_LINKS, Cluster, GpuSpec, gpu_spec, inter_node_link
 from zeroshard.estimate.memory import (
-    MemoryEstimate, Strategy, device_budget, estimate_memory, host_budget, model_states_per_device,
-    optimizer_bytes_per_param,
+    MemoryEstimate, device_budget, estimate_memory, host_budget, model_states_per_device,
 )
 from zeroshard.estimate.padding import BucketPlan, plan_layout
 from zeroshard.estimate.model_size import ModelShape, shape_from_callable, shape_from_hf_config, shape_from_params
-from zeroshard.estimate.planner import Candidate, Plan, Workload, deepspeed_config, evaluate, plan, smallest_cluster
+from zeroshard.estimate.candidate import Candidate, Workload, evaluate
+from zeroshard.estimate.planner import Plan, deepspeed_config, plan, smallest_cluster
+from zeroshard.estimate.strategy import Strategy, optimizer_bytes_per_param
 from zeroshard.estimate.timing import TimeEstimate, estimate_time, flops_per_token
-from zeroshard.estimate.units import GB, GIB, parse_bytes, parse_count
+from zeroshard.estimate.byte_units import GB, GIB, parse_bytes, parse_count
 
 __all__ = [
     "ActivationEstimate", "BucketPlan", "Candidate", "Cluster", "Collective", "CommEstimate", "GB", "GIB", "GPUS", "GpuSpec",

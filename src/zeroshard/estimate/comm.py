@@ -59,7 +59,7 @@ from zeroshard.policies import ConfigError, Precision, Stage
 
 from zeroshard.estimate.memory import Strategy, shard
 from zeroshard.estimate.padding import BucketPlan, gather_chunks, shard_count_for_stage
-from zeroshard.estimate.units import FP32_BYTES
+from zeroshard.estimate.byte_units import FP32_BYTES
 
 __all__ = ["Collective", "CommEstimate", "estimate_comm", "ring_split", "QUANT_BLOCK_SIZE", "QUANT_SCALE_BYTES",
            "QGZ_BITS", "QWZ_BITS"]
@@ -235,4 +235,3 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
     if s.stage >= Stage.OPTIMIZER_STATES and (s.compute_grad_norm or s.precision == Precision.FP16) and n > 1:
         add("step", "all_reduce", "global gradient norm", 1, 1, FP32_BYTES, False, dtype_="fp32")
     return CommEstimate(collectives=tuple(out), params=params + frozen, nodes=nodes)
-

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from zeroshard.policies import ConfigError
 
-from zeroshard.estimate.units import GB, GIB
+from zeroshard.estimate.byte_units import GB, GIB
 
 __all__ = [
     "GpuSpec", "LinkSpec", "Cluster", "GPUS", "INTER_NODE_LINKS", "gpu_spec", "inter_node_link",

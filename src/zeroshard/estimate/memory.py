@@ -66,7 +66,10 @@ from zeroshard.estimate.model_size import ModelShape
 from zeroshard.estimate.padding import (
     BucketPlan, offload_split, shard_count_for_stage, sub_group_sums,
 )
-from zeroshard.estimate.units import BYTES_PER_ELEMENT, FP32_BYTES, GIB
+from zeroshard.estimate.byte_units import FP32_BYTES, GIB
+from zeroshard.estimate.strategy import (  # noqa: F401  (Strategy and K are read here by the estimator's users)
+    MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES, Strategy, optimizer_bytes_per_param,
+)
 
 __all__ = [
     "Strategy", "MemoryEstimate", "estimate_memory", "model_states_per_device", "optimizer_bytes_per_param",
@@ -74,9 +77,6 @@ __all__ = [
     "HOST_USABLE_FRACTION", "device_budget", "host_budget", "shard", "STAGE2_BUCKETS_IN_FLIGHT", "engine_sub_group",
 ]
 
-# Optimizer states per parameter in fp32 bytes, beyond the master weights.
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lion": 4, "sgd-momentum": 4, "adagrad": 4, "sgd": 0}
-MASTER_WEIGHT_BYTES = FP32_BYTES  # fp32 copy of 16-bit parameters (mixed precision)
 # Memory a device loses before the first tensor: CUDA context, cuBLAS workspace, NCCL
 # channels (~0.5-1 GiB measured on A100/H100 with PyTorch 2.x).
 CUDA_CONTEXT_BYTES = 1 * GIB
@@ -97,135 +97,9 @@ def host_budget(host_memory: int) -> int:
     return int(host_memory * HOST_USABLE_FRACTION)
 
 
-def optimizer_bytes_per_param(optimizer: str, precision: Precision, separate_fp32_master: bool = False) -> int:
-    """K: fp32 master copy + the optimizer's states. With 16-bit parameters the master is
-    separate; in fp32 training zeroshard steps the parameter shard itself (no master bytes)
-    unless `separate_fp32_master` (DeepSpeed's convention, which copies it anyway)."""
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_BYTES)}")
-    master = 0 if (precision == Precision.FP32 and not separate_fp32_master) else MASTER_WEIGHT_BYTES
-    return master + OPTIMIZER_STATE_BYTES[optimizer]
-
-
 def shard(elements: int, n: int) -> int:
     """Elements a rank owns: flat buffers are padded to a multiple of n."""
     return math.ceil(elements / n)
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One candidate configuration. Bucket sizes in elements, as in DeepSpeed."""
-
-    stage: Stage = Stage.DATA_PARALLEL
-    precision: Precision = Precision.BF16
-    optimizer: str = "adam"
-    optimizer_bytes: int | None = None  # K override; None: from optimizer + precision
-    offload_optimizer: OffloadDevice = OffloadDevice.NONE
-    offload_param: OffloadDevice = OffloadDevice.NONE
-    quantized_weights: bool = False  # qwZ
-    hpz_partition_size: int = 1  # hpZ
-    quantized_gradients: bool = False  # qgZ
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000  # stages 1/2: larger buckets are published in chunks
-    overlap_comm: bool = True
-    compute_grad_norm: bool = True  # stages >= 1: one 1-element fp32 all-reduce per step
-    separate_fp32_master: bool = False  # True: DeepSpeed's second fp32 copy in fp32 training (K = 12)
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    sub_group_size: int = 1_000_000_000
-    optimizer_buffer_count: int = 4  # offload_optimizer.buffer_count (nvme)
-    param_buffer_count: int = 5  # offload_param.buffer_count (nvme)
-    param_buffer_size: int = 100_000_000  # offload_param.buffer_size (nvme)
-    activation_checkpointing: bool = False
-    # where the checkpointed layer inputs wait for backward (activation_checkpointing.cpu_checkpointing
-    # = cpu; zeroshard.activation_offload); needs activation_checkpointing
-    activation_offload: OffloadDevice = OffloadDevice.NONE
-    activation_buffer_count: int = 2  # zeroshard.activation_offload.buffer_count (nvme staging buffers)
-    offload_ratio: float = 1.0  # offload_optimizer.ratio: share of the optimizer shards on the host
-    # Where the estimate is for: False, a GPU with its own memory (separate fp32 host master in fp32
-    # training, pinned gradient staging); True, a CPU-only machine where host and device are the
-    # same memory (zeroshard on gloo: the shard stays its own master, no staging copies).
-    host_is_device: bool = False
-    # DeepSpeed's ZeRO-Offload: an fp32 gradient partition streamed to the host during backward,
-    # no device gradient kept from stage 2. False: zeroshard's engine (gradient shard on the device).
-    grads_to_host: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stage", Stage(self.stage))
-        object.__setattr__(self, "precision", Precision(self.precision))
-        object.__setattr__(self, "offload_optimizer", OffloadDevice(self.offload_optimizer))
-        object.__setattr__(self, "offload_param", OffloadDevice(self.offload_param))
-        object.__setattr__(self, "activation_offload", OffloadDevice(self.activation_offload))
-        if self.activation_offload != OffloadDevice.NONE and not self.activation_checkpointing:
-            raise ConfigError("activation offload moves the inputs kept by activation checkpointing: set "
-                              "activation_checkpointing=True, or activation_offload='none'")
-        if self.activation_buffer_count < 1:
-            raise ConfigError(f"activation_buffer_count must be >= 1, got {self.activation_buffer_count}")
-        if self.offload_param != OffloadDevice.NONE and self.stage != Stage.PARAMETERS:
-            raise ConfigError("offload_param needs stage 3 (only stage 3 partitions parameters)")
-        if self.offload_optimizer != OffloadDevice.NONE and self.stage == Stage.DATA_PARALLEL:
-            raise ConfigError("offload_optimizer needs stage 1, 2 or 3")
-        zpp = self.quantized_weights or self.quantized_gradients or self.hpz_partition_size > 1
-        if zpp and self.stage != Stage.PARAMETERS:
-            raise ConfigError("ZeRO++ (qwZ, hpZ, qgZ) applies to stage 3 only")
-        if self.hpz_partition_size < 1:
-            raise ConfigError(f"zero_hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
-        if not 0.0 <= self.offload_ratio <= 1.0:
-            raise ConfigError(f"offload_optimizer.ratio must be in [0, 1], got {self.offload_ratio}")
-        if self.offload_ratio < 1.0 and self.offload_optimizer != OffloadDevice.CPU:
-            raise ConfigError("offload_optimizer.ratio needs offload_optimizer device cpu")
-        if self.optimizer_bytes is not None and self.optimizer_bytes < 0:
-            raise ConfigError(f"optimizer bytes per parameter must not be negative, got {self.optimizer_bytes}")
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                     "sub_group_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @property
-    def k(self) -> int:
-        if self.optimizer_bytes is not None:
-            return self.optimizer_bytes
-        return optimizer_bytes_per_param(self.optimizer, self.precision, self.separate_fp32_master)
-
-    def k_on(self, host: bool) -> int:
-        """K of the shards whose master and states live on the host (`host`) or the device.
-        In fp32 the parameter shard is its own master only in the same memory: on a GPU an
-        offloaded optimizer needs a separate fp32 host master unless `offload_param` put the
-        shard on the host too; a device optimizer over host parameter shards needs one on the
-        device. With `host_is_device` (CPU-only) every tier is the same memory: plain `k`."""
-        if self.optimizer_bytes is not None or self.precision != Precision.FP32 or self.separate_fp32_master:
-            return self.k
-        params_on_host = self.stage == Stage.PARAMETERS and self.offload_param == OffloadDevice.CPU
-        if self.host_is_device or host == params_on_host:
-            return self.k
-        return self.k + MASTER_WEIGHT_BYTES
-
-    @property
-    def param_bytes(self) -> int:
-        return BYTES_PER_ELEMENT[self.precision]
-
-    @property
-    def grad_bytes(self) -> int:
-        return BYTES_PER_ELEMENT[self.precision]
-
-    @property
-    def zeropp(self) -> bool:
-        return self.quantized_weights or self.quantized_gradients or self.hpz_partition_size > 1
-
-    def label(self) -> str:
-        parts = [f"stage {int(self.stage)}"]
-        if self.offload_optimizer != OffloadDevice.NONE:
-            parts.append(f"opt→{self.offload_optimizer.value}"
-                         + (f" {self.offload_ratio:.0%}" if self.offload_ratio < 1.0 else ""))
-        if self.offload_param != OffloadDevice.NONE:
-            parts.append(f"param→{self.offload_param.value}")
-        if self.activation_offload != OffloadDevice.NONE:
-            parts.append(f"act→{self.activation_offload.value}")
-        zpp = [n for n, on in (("qwZ", self.quantized_weights), ("hpZ", self.hpz_partition_size > 1),
-                               ("qgZ", self.quantized_gradients)) if on]
-        if zpp:
-            parts.append("+".join(zpp))
-        return " ".join(parts)
 
 
 def model_states_per_device(params: int, n: int, stage: Stage | int, k: int = 12,

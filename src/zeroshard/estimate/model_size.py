@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from zeroshard.policies import ConfigError
 
-from zeroshard.estimate.units import parse_count
+from zeroshard.estimate.byte_units import parse_count
 
 __all__ = [
     "ModelShape", "shape_from_params", "shape_from_hf_config", "shape_from_callable",

@@ -30,7 +30,7 @@ from zeroshard.partition import layout
 from zeroshard.partition.layout import ALIGN_BYTES, offload_split, padded_size  # noqa: F401  (re-exported)
 from zeroshard.policies import ConfigError, Precision, Stage
 
-from zeroshard.estimate.units import bytes_of
+from zeroshard.estimate.byte_units import bytes_of
 
 __all__ = [
     "ALIGN_BYTES", "BucketPlan", "alignment_for", "bucket_numels", "padded_size", "plan_layout",

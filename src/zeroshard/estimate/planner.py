@@ -24,18 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from zeroshard.policies import ConfigError, OffloadDevice, Precision, Stage
+from zeroshard.policies import HIDDEN_SIZE_AUTO, AioPolicy, LossScalePolicy, OffloadDevice, Precision, Stage
 
-from zeroshard.estimate.activations import activation_bytes
-from zeroshard.estimate.comm import CommEstimate, estimate_comm
+from zeroshard.estimate.byte_units import GIB
+from zeroshard.estimate.candidate import Candidate, Workload, evaluate
 from zeroshard.estimate.hardware import Cluster
-from zeroshard.estimate.memory import MemoryEstimate, Strategy, device_budget, estimate_memory, host_budget
 from zeroshard.estimate.model_size import ModelShape
-from zeroshard.estimate.timing import TimeEstimate, estimate_time
-from zeroshard.estimate.units import GIB
+from zeroshard.estimate.strategy import Strategy
 
 __all__ = ["Workload", "Candidate", "Plan", "evaluate", "plan", "candidate_strategies", "smallest_cluster",
-           "deepspeed_config", "INTER_NODE_BOTTLENECK_FRACTION", "ZEROPP_MIN_GAIN", "MAX_NODES"]
+           "deepspeed_config", "bucket_sizes", "INTER_NODE_BOTTLENECK_FRACTION", "ZEROPP_MIN_GAIN", "MAX_NODES"]
 
 INTER_NODE_BOTTLENECK_FRACTION = 0.25  # inter-node comm time / step time that calls for ZeRO++
 ZEROPP_MIN_GAIN = 0.02  # ZeRO++ must shorten the step by this fraction to be worth its quantization noise
@@ -45,88 +43,6 @@ TIE_SECONDS = 0.0005  # step times closer than this are a tie: the earlier candi
 # Optimizer sub-group for NVMe offload: 1e8 fp32 elements = 400 MB per swap buffer; DeepSpeed's
 # 1e9 default would pin 16 GB of host memory in its 4 buffers.
 NVME_SUB_GROUP_SIZE = 100_000_000
-
-
-@dataclass(frozen=True)
-class Workload:
-    seq: int = 2048
-    micro_batch: int = 1
-    gradient_accumulation_steps: int = 1
-    precision: Precision = Precision.BF16
-    optimizer: str = "adam"
-    optimizer_bytes: int | None = None
-    activation_checkpointing: bool | None = None  # None: the planner decides
-    flash_attention: bool = True
-    host_is_device: bool = False  # CPU-only machine (zeroshard on gloo): see Strategy.host_is_device
-    grads_to_host: bool = False  # DeepSpeed's offload gradient model: see Strategy.grads_to_host
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "precision", Precision(self.precision))
-        for name in ("seq", "micro_batch", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    strategy: Strategy
-    memory: MemoryEstimate
-    comm: CommEstimate
-    time: TimeEstimate
-    device_budget: int
-    host_budget: int
-    nvme_budget: int
-
-    @property
-    def fits_device(self) -> bool:
-        return self.memory.device_total <= self.device_budget
-
-    @property
-    def fits_host(self) -> bool:
-        return self.memory.host_per_node <= self.host_budget
-
-    @property
-    def fits_nvme(self) -> bool:
-        return self.memory.nvme_per_node <= self.nvme_budget
-
-    @property
-    def fits(self) -> bool:
-        return self.fits_device and self.fits_host and self.fits_nvme
-
-    def why_not(self) -> str:
-        reasons = []
-        if not self.fits_device:
-            reasons.append(f"device needs {self.memory.device_total / GIB:.1f} GiB > {self.device_budget / GIB:.1f} GiB usable")
-        if not self.fits_host:
-            reasons.append(f"host needs {self.memory.host_per_node / GIB:.1f} GiB/node > {self.host_budget / GIB:.1f} GiB usable")
-        if not self.fits_nvme:
-            reasons.append(f"NVMe needs {self.memory.nvme_per_node / GIB:.1f} GiB/node > {self.nvme_budget / GIB:.1f} GiB")
-        return "; ".join(reasons) or "fits"
-
-    def label(self) -> str:
-        return self.strategy.label() + (" +AC" if self.strategy.activation_checkpointing else "")
-
-    def as_dict(self) -> dict:
-        s = self.strategy
-        return {"label": self.label(), "stage": int(s.stage), "offload_optimizer": s.offload_optimizer.value,
-                "offload_param": s.offload_param.value, "quantized_weights": s.quantized_weights,
-                "hpz_partition_size": s.hpz_partition_size, "quantized_gradients": s.quantized_gradients,
-                "activation_checkpointing": s.activation_checkpointing, "fits": self.fits,
-                "fits_device": self.fits_device, "fits_host": self.fits_host, "fits_nvme": self.fits_nvme,
-                "device_budget": self.device_budget, "host_budget_per_node": self.host_budget,
-                "memory": self.memory.as_dict(), "time_s": self.time.as_dict(), "comm": self.comm.as_dict()}
-
-
-def evaluate(shape: ModelShape, strategy: Strategy, cluster: Cluster, work: Workload) -> Candidate:
-    acts = activation_bytes(work.seq, work.micro_batch, shape.hidden, shape.heads, shape.layers, shape.vocab,
-                            checkpointing=strategy.activation_checkpointing,
-                            flash_attention=work.flash_attention, act_bytes=strategy.param_bytes)
-    mem = estimate_memory(shape, strategy, cluster.world_size, cluster.gpus_per_node, acts)
-    comm = estimate_comm(shape.trainable_params, strategy, cluster.nodes, cluster.gpus_per_node,
-                         work.gradient_accumulation_steps, frozen=shape.frozen_params)
-    t = estimate_time(shape, strategy, cluster, comm, work.seq, work.micro_batch, work.gradient_accumulation_steps)
-    return Candidate(strategy, mem, comm, t, device_budget(cluster.gpu.memory), host_budget(cluster.host_mem),
-                     cluster.nvme)
 
 
 def _base(work: Workload, **kw) -> Strategy:
@@ -172,7 +88,7 @@ def _tier_name(tier: list[Strategy]) -> str:
 def candidate_strategies(work: Workload, hidden: int | None = None, frozen_base: bool = False) -> list[list[Strategy]]:
     """The route as tiers of strategies, each tier without then with checkpointing
     (`frozen_base`: the LoRA route, `_LORA_ROUTE`)."""
-    buckets = _bucket_sizes(hidden)
+    buckets = bucket_sizes(hidden)
     ac_options = [work.activation_checkpointing] if work.activation_checkpointing is not None else [False, True]
     tiers = []
     for tier in (_LORA_ROUTE if frozen_base else _ROUTE):
@@ -184,11 +100,12 @@ def candidate_strategies(work: Workload, hidden: int | None = None, frozen_base:
     return tiers
 
 
-def _bucket_sizes(hidden: int | None) -> dict:
-    """HF's heuristics for "auto" (transformers/integrations/deepspeed.py): h^2, 0.9 h^2."""
+def bucket_sizes(hidden: int | None) -> dict:
+    """The bucket sizes Hugging Face's "auto" gives a model of hidden size `hidden` (h^2, 0.9 h^2:
+    `policies.HIDDEN_SIZE_AUTO`, which the config loader fills "auto" with too)."""
     if not hidden:
         return {}
-    return {"reduce_bucket_size": hidden * hidden, "prefetch_bucket_size": int(0.9 * hidden * hidden)}
+    return {key: HIDDEN_SIZE_AUTO[key](hidden) for key in ("reduce_bucket_size", "prefetch_bucket_size")}
 
 
 def _zeropp_variants(s: Strategy, cluster: Cluster) -> list[Strategy]:
@@ -412,10 +329,10 @@ def deepspeed_config(s: Strategy, work: Workload, cluster: Cluster, nvme_path: s
     if s.precision == Precision.BF16:
         cfg["bf16"] = {"enabled": True}
     elif s.precision == Precision.FP16:
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": LossScalePolicy.initial_scale_power}
     if OffloadDevice.NVME in (s.offload_optimizer, s.offload_param):
-        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
-                      "single_submit": False, "overlap_events": True}
+        cfg["aio"] = {key: getattr(AioPolicy, key) for key in
+                      ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")}
     if s.activation_checkpointing:
         # DeepSpeed's own block; the model must still wrap its layers in checkpoint().
         cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}

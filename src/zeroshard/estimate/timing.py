@@ -25,7 +25,7 @@ from zeroshard.estimate.comm import CommEstimate
 from zeroshard.estimate.hardware import ACHIEVED_LINK_FRACTION, Cluster
 from zeroshard.estimate.memory import Strategy, shard
 from zeroshard.estimate.model_size import ModelShape
-from zeroshard.estimate.units import FP32_BYTES, GB
+from zeroshard.estimate.byte_units import FP32_BYTES, GB
 
 __all__ = ["TimeEstimate", "estimate_time", "flops_per_token", "FLOPS_PER_PARAM_PER_TOKEN",
            "RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN", "ATTENTION_FLOPS_COEF", "BACKWARD_FRACTION", "QUANTIZE_BW",

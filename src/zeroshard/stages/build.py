@@ -22,7 +22,7 @@ from zeroshard.optim.sharded import ShardedOptimizer
 from zeroshard.optim.template import OptimizerArg, OptimizerPlan, plan_optimizer
 from zeroshard.partition import FlatBucket, MemoryLedger
 from zeroshard.partition.buffer_pool import BufferPool
-from zeroshard.partition.heap_trim import HeapTrim
+from zeroshard.partition.malloc_trim import HeapTrim
 from zeroshard.policies import ConfigError, NotSupportedYetError, OffloadDevice, Settings, Stage
 from zeroshard.stages.assembly import (
     ModelParts,

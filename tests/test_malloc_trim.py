@@ -1,4 +1,4 @@
-"""Free heap pages go back to the system after each step (partition/heap_trim.py): measured in
+"""Free heap pages go back to the system after each step (partition/malloc_trim.py): measured in
 a fresh process as resident memory (VmRSS), on the heap pattern stage 3 leaves behind (holes
 between blocks that stay alive)."""
 
@@ -19,7 +19,7 @@ def _rss() -> int:
 
 
 def _holes_worker(rank, world_size, trim):
-    from zeroshard.partition.heap_trim import HeapTrim
+    from zeroshard.partition.malloc_trim import HeapTrim
 
     big = torch.ones(4 << 18)  # 16 MiB: freeing it moves glibc's mmap threshold up, as a gathered unit does
     del big
@@ -82,7 +82,7 @@ def test_engine_trims_after_each_step_on_cpu_unless_told_not_to():
 
 
 def test_trims_after_the_first_step_then_only_when_resident_memory_grew(monkeypatch):
-    import zeroshard.partition.heap_trim as ht
+    import zeroshard.partition.malloc_trim as ht
 
     calls = []
     seen = iter([100, 90, 94, 200, 205])  # resident bytes after steps 1..5

@@ -1,24 +1,14 @@
-"""Giving glibc's free heap pages back to the system after optimizer steps.
+"""Giving glibc's free heap pages back to the system (`malloc_trim`) after optimizer steps.
 
-glibc serves allocations below its mmap threshold from the heap. That threshold moves up to
-32 MiB once a block that large is freed, so after the first step nearly all of stage 3's
-transient buffers come from the heap: gathered units, full-size gradients, reduction buffers
-and activations. Blocks of different lifetimes interleave there, and the holes they leave
-stay resident. glibc gives back only the free space at the top of the heap.
-
-Measured on this project's 2-core machine, with the peer harness at 150M, stage 3, 2 ranks:
-after a step the main arena held 3.3-3.5 GB, of which 1.31-1.36 GB were in use. The peak RSS
-per rank was 3,809-3,943 MiB. With every block of 64 KiB or more mmapped
-(MALLOC_MMAP_THRESHOLD_=65536, far too slow to ship) it was 2,663 MiB. `malloc_trim(0)`
-returns the free pages inside the heap as well (madvise), and the next step faults in only
-the pages it really touches. Measured: 3,105-3,195 MiB with a trim after every step, and
-2,999-3,003 MiB with one trim after the first step only. So the holes that stay come from
-the first step (its one-off allocations: the optimizer's states, the recorded gather order),
-and later steps reuse their own. A trim after every step would make each step fault its
-transient pages in again. zeroshard therefore trims after the first step, and after that only
-when a step's resident memory grew by more than 5 % over the previous step's. In the 150M round
-of the peer harness with this rule the peak was 3,430-3,431 MiB. Single runs of one variant
-vary by 100-300 MiB (bench/RESULTS.md).
+glibc serves allocations below its mmap threshold (which rises to 32 MiB once a block that
+large is freed) from the heap, where blocks of different lifetimes interleave and the holes
+they leave stay resident: glibc gives back only the free space at the top of the heap.
+`malloc_trim(0)` returns the free pages inside the heap as well. The holes that stay come
+from the first step (its one-off allocations: the optimizer's states, the recorded gather
+order), and later steps reuse their own, so zeroshard trims after the first step and after
+that only when a step's resident memory grew by more than GROWTH; a trim after every step
+would make each step fault its transient pages in again. The measurements behind this rule
+are in bench/RESULTS.md (2026-12-01, 150M stage 3: `malloc_trim(0)` variants).
 
 On by default where the host is the memory being trained in (CPU training) or offloaded to;
 `zeroshard.trim_host_memory` says otherwise. Elsewhere (no glibc: musl, macOS) it is off, and
