@@ -235,3 +235,4 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
     if s.stage >= Stage.OPTIMIZER_STATES and (s.compute_grad_norm or s.precision == Precision.FP16) and n > 1:
         add("step", "all_reduce", "global gradient norm", 1, 1, FP32_BYTES, False, dtype_="fp32")
     return CommEstimate(collectives=tuple(out), params=params + frozen, nodes=nodes)
+
