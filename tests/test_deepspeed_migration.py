@@ -339,3 +339,149 @@ def test_cli_inspect_export_convert(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     results = run_ranks(_resume_native, 1, plan, str(tmp_path), timeout=300)
     print("\nconverted, 1 rank:", {k: (f"{a:.2e}", f"{b:.2e}") for k, (a, b) in _check_reshard(results, plan).items()})
+
+
+# -- memory: one DeepSpeed rank's partition plus one tensor beyond the final state -------------------
+WIDE, DEPTH = 1024, 8  # 8 x 1024 x 1024 + 1024 x 3 + 3 = 8.4M parameters, 33.6 MB fp32
+
+
+class Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDE, WIDE, bias=False) for _ in range(DEPTH))
+        self.head = torch.nn.Linear(WIDE, 3)  # 3075 elements: the flat group needs padding
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = layer(x)
+        return ((self.head(x) - y) ** 2).mean()
+
+
+def _fake_deepspeed_classes() -> None:
+    """Stand-ins registered under DeepSpeed's module paths, so that torch.save writes the same
+    globals DeepSpeed's checkpoints hold. Only ever done in the writer's own process."""
+    import enum
+    import types
+
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.zero", "deepspeed.runtime.zero.config",
+                 "deepspeed.runtime.fp16", "deepspeed.runtime.fp16.loss_scaler", "deepspeed.utils",
+                 "deepspeed.utils.tensor_fragment"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled = 0
+        optimizer_states = 1
+        gradients = 2
+        weights = 3
+
+    class LossScaler:
+        def __init__(self, scale):
+            self.cur_scale, self.dynamic = scale, False
+
+    class fragment_address:  # noqa: N801 - DeepSpeed's name
+        def __init__(self, numel, start):
+            self.numel, self.start = numel, start
+
+    for cls, module in ((ZeroStageEnum, "deepspeed.runtime.zero.config"), (LossScaler, "deepspeed.runtime.fp16.loss_scaler"),
+                        (fragment_address, "deepspeed.utils.tensor_fragment")):
+        cls.__module__, cls.__qualname__ = module, cls.__name__
+        setattr(sys.modules[module], cls.__name__, cls)
+
+
+def _write_wide_checkpoint(rank: int, world: int, root: str) -> int:
+    """A stage-2, 2-rank, fp32 DeepSpeed checkpoint of `Wide` in the exact structure of the
+    real fixtures (stage2_fp32), with random masters and Adam states. Returns the elements
+    of one partition."""
+    from collections import OrderedDict
+
+    _fake_deepspeed_classes()
+    ds = sys.modules
+    torch.manual_seed(0)
+    model = Wide()
+    shapes = OrderedDict((n, p.shape) for n, p in model.named_parameters())
+    total = sum(p.numel() for p in model.parameters())
+    ranks = 2
+    aligned = -(-total // (2 * ranks)) * (2 * ranks)
+    size = aligned // ranks
+    flat = torch.randn(aligned)
+    flat[total:] = 0
+    tag = os.path.join(root, "global_step5")
+    os.makedirs(tag)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    torch.save({"module": OrderedDict((n, flat[0:0].new_zeros(s)) for n, s in shapes.items()), "buffer_names": [],
+                "optimizer": None, "param_shapes": [shapes], "frozen_param_shapes": {}, "shared_params": {},
+                "frozen_param_fragments": {}, "lr_scheduler": None, "data_sampler": None, "random_ltd": None,
+                "sparse_tensor_module_names": set(), "skipped_steps": 0, "global_steps": 5, "global_samples": 10,
+                "dp_world_size": ranks, "mp_world_size": 1, "ds_config": cfg, "ds_version": "0.18.9"},
+               os.path.join(tag, "mp_rank_00_model_states.pt"))
+    for r in range(ranks):
+        lo = r * size
+        pad = max(0, lo + size - total)
+        part = flat[lo : lo + size]
+        state = {"step": torch.tensor(5.0), "exp_avg": part * 0.1, "exp_avg_sq": part.abs() * 0.01}
+        opt = {"loss_scaler": ds["deepspeed.runtime.fp16.loss_scaler"].LossScaler(1.0), "dynamic_loss_scale": False,
+               "overflow": False, "clip_grad": 0.0,
+               "base_optimizer_state": {"state": {0: state}, "param_groups": [
+                   {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+                    "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                    "decoupled_weight_decay": True, "params": [0]}]},
+               "single_partition_of_fp32_groups": [part[: size - pad].clone()],
+               "zero_stage": ds["deepspeed.runtime.zero.config"].ZeroStageEnum.gradients, "group_paddings": [pad],
+               "partition_count": [ranks], "ds_version": "0.18.9",
+               "param_slice_mappings": [OrderedDict(
+                   (n, ds["deepspeed.utils.tensor_fragment"].fragment_address(1, 0)) for n in shapes)]}
+        torch.save({"optimizer_state_dict": opt, "ds_config": cfg, "ds_version": "0.18.9"},
+                   os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("global_step5")
+    torch.save(flat[:total].clone(), os.path.join(root, "expected_flat.pt"))
+    return size
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def _measure_load(rank: int, world: int, root: str) -> dict:
+    import gc
+
+    import zeroshard
+
+    torch.manual_seed(1)
+    engine = zeroshard.initialize(Wide(), {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    gc.collect()
+    before = _kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the peak from here on
+    engine.load_checkpoint(root)
+    peak, after = _kib("VmHWM"), _kib("VmRSS")
+    expected = torch.load(os.path.join(root, "expected_flat.pt"), weights_only=True)
+    got = torch.cat([v.flatten() for v in engine.full_state_dict().values()])
+    engine.close()
+    return {"before": before, "after": after, "peak": peak, "equal": bool(torch.equal(got, expected))}
+
+
+def test_peak_memory_of_a_load(tmp_path):
+    """Loading a 2-rank DeepSpeed checkpoint (8.4M parameters, 48 MiB per rank file) into one
+    rank holds, beyond the state it ends with (the engine as built plus the Adam states the
+    load creates), at most one DeepSpeed rank's partition (fp32 master + 2 Adam states) plus
+    one tensor (the largest parameter, 4 MiB) and 8 MiB of slack. Measured as the peak RSS
+    (VmHWM, reset just before the load) of a fresh process."""
+    root = str(tmp_path / "wide")
+    size = run_ranks(_write_wide_checkpoint, 1, root, timeout=300)[0]
+    m = run_ranks(_measure_load, 1, root, timeout=300)[0]
+    assert m["equal"]
+    partition = 3 * 4 * size
+    tensor = 4 * WIDE * WIDE
+    states = 2 * 4 * (DEPTH * WIDE * WIDE + 3 * WIDE + 3)  # exp_avg + exp_avg_sq: the state the load adds
+    beyond = m["peak"] - m["before"] - states
+    print(f"\nload: RSS {m['before'] / 2**20:.1f} MiB before, {m['after'] / 2**20:.1f} after, peak {m['peak'] / 2**20:.1f}: "
+          f"{beyond / 2**20:.1f} MiB beyond the final state (+{states / 2**20:.1f} MiB of Adam states); bound "
+          f"{(partition + tensor) / 2**20:.1f} + 8 MiB (partition {partition / 2**20:.1f}, tensor {tensor / 2**20:.1f})")
+    assert beyond <= partition + tensor + (8 << 20)

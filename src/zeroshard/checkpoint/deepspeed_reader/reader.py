@@ -374,11 +374,13 @@ class DeepSpeedCheckpoint:
                 raise CheckpointError(f"{self._optim_file(run.rank)}: flat tensor {run.flat} has {src.numel()} "
                                       f"elements, {name!r} needs [{s}, {s + b - a}): the file does not match the layout "
                                       "its model file describes")
-            parts.append((a, src[s : s + (b - a)].to(torch.float32, copy=True)))
+            parts.append((a, src[s : s + (b - a)]))
         parts.sort(key=lambda p: p[0])
         if not parts:
             return torch.empty(0, dtype=torch.float32)
-        return parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts])
+        if len(parts) == 1:  # a view of the mapped file (no copy): the caller copies it where it belongs
+            return parts[0][1].to(torch.float32)
+        return torch.cat([p.to(torch.float32) for _, p in parts])
 
     def _flat(self, rank: int, flat: int, key: str | None) -> torch.Tensor:
         opt = self._optim(rank)
