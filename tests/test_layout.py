@@ -87,3 +87,29 @@ def test_gather_ranges_whole_or_in_chunks_of_cap_over_n():
     assert gather_ranges(8, 16, 16, 2) == [(0, 8)]  # fits: one call for the whole bucket
     assert gather_ranges(8, 16, 15, 2) == [(0, 7), (7, 8)]  # 15 // 2 = 7 elements of each shard
     assert gather_ranges(3, 6, 1, 2) == [(0, 1), (1, 2), (2, 3)]  # never below one element
+
+
+def test_each_layout_rule_is_defined_once_in_partition_layout():
+    """The engine and the estimator read these rules from partition/layout.py; a second
+    module-level definition anywhere under src/zeroshard (a copy that could drift) fails here."""
+    import ast
+    import pathlib
+
+    import zeroshard
+
+    rules = {"ALIGN_BYTES", "padded_size", "pack", "plan_buckets", "sub_groups", "shard_count_for",
+             "gather_ranges", "chunk_ranges", "offload_split"}
+    root = pathlib.Path(zeroshard.__file__).parent
+    found = {}
+    for path in root.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            for name in set(names) & rules:
+                found.setdefault(name, []).append(str(path.relative_to(root)))
+    assert found == {name: ["partition/layout.py"] for name in rules}
