@@ -10,7 +10,8 @@ before the round, one `quantize(x)` and one `dequantize` into a preallocated out
 qwZ's all-gather does; a version without `out=` allocates its output). GB/s are bytes of the
 input over the time; "q+dq" is the input over quantize + dequantize (the cost a quantized
 collective adds per byte it quantizes and dequantizes once); "q+dq / copy" is the ratio of the
-two in the same round. The table gives medians over the rounds and (min-max) spread: the
+two in the same round, and "same, CPU time" that ratio in CPU seconds of the process (what
+waiting for a core on a loaded machine does not inflate). The table gives medians over the rounds and (min-max) spread: the
 machine is shared, so only figures of one round and one process are compared.
 
 Run it against another checkout with PYTHONPATH=<checkout>/src to measure "before".
@@ -29,10 +30,11 @@ import torch
 from zeroshard.comm import dequantize, plan_blocks, quantize
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process: every torch thread)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _case(x: torch.Tensor, bits: int, rounds: int) -> dict[str, list[float]]:
@@ -47,11 +49,13 @@ def _case(x: torch.Tensor, bits: int, rounds: int) -> dict[str, list[float]]:
     nbytes = x.numel() * x.element_size()
     for _ in range(2):  # warm-up: pages touched, allocator primed
         dst.copy_(x), quantize(row, blocks), deq()
-    got: dict[str, list[float]] = {"copy": [], "quantize": [], "dequantize": [], "q+dq": [], "ratio": []}
+    got: dict[str, list[float]] = {"copy": [], "quantize": [], "dequantize": [], "q+dq": [], "ratio": [],
+                                   "cpu ratio": []}
     for _ in range(rounds):
-        t_copy = _timed(lambda: dst.copy_(x))
-        t_q = _timed(lambda: quantize(row, blocks))
-        t_dq = _timed(deq)
+        (t_copy, c_copy), (t_q, c_q), (t_dq, c_dq) = _timed(lambda: dst.copy_(x)), \
+            _timed(lambda: quantize(row, blocks)), _timed(deq)
+        if c_q + c_dq > 0:
+            got["cpu ratio"].append(c_copy / (c_q + c_dq))
         got["copy"].append(nbytes / t_copy / 1e9)
         got["quantize"].append(nbytes / t_q / 1e9)
         got["dequantize"].append(nbytes / t_dq / 1e9)
@@ -76,7 +80,7 @@ def main() -> None:
           f"{impl.__file__}")
     print(f"GB/s of the input, median over {args.rounds} rounds (min-max); copy and quantize interleaved")
     print(f"{'thr':>3} {'MiB':>4} {'dtype':6} {'int':>3}  {'copy':>20} {'quantize':>20} {'dequantize':>20} "
-          f"{'q+dq':>20} {'q+dq / copy':>20}")
+          f"{'q+dq':>20} {'q+dq / copy':>20} {'same, CPU time':>20}")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for mib in (int(m) for m in args.sizes.split(",")):
@@ -87,7 +91,7 @@ def main() -> None:
                     r = _case(x, bits, args.rounds)
                     print(f"{threads:>3} {mib:>4} {str(dtype)[6:]:6} {bits:>3}  {_fmt(r['copy']):>20} "
                           f"{_fmt(r['quantize']):>20} {_fmt(r['dequantize']):>20} {_fmt(r['q+dq']):>20} "
-                          f"{_fmt(r['ratio']):>20}", flush=True)
+                          f"{_fmt(r['ratio']):>20} {_fmt(r['cpu ratio'] or [0.0]):>20}", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

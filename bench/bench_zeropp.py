@@ -10,13 +10,15 @@ Four parts:
    persistence 0: every unit is gathered again in backward (the 3 x Phi of a model that does not
    fit gathered; with DeepSpeed's default reuse distance this small model stays gathered between
    forward and backward and there is no backward gather for hpZ to serve).
-2. quantize / dequantize throughput (comm.quantize, vectorized torch, one thread) beside a torch
+2. quantize / dequantize throughput (comm.quantization, torch ops, one thread) beside a torch
    copy of the same tensor (this machine's memory bandwidth as torch sees it): GB/s of the
-   16/32-bit input read (quantize) or output written (dequantize), 16M elements.
+   16/32-bit input read (quantize) or output written (dequantize), 16M elements. The fuller
+   comparison (sizes, threads, rounds, spread) is bench/bench_quantize.py.
 3. step time here: median wall clock of rank 0's forward + backward + step, 4 processes on this
    machine's cores (gloo over loopback; shared machine: noisy, not a network measurement).
 4. the estimator's step time for 2 nodes x 8 A100-80GB on one 100 Gb/s link per node (roce-100g),
-   bf16, for GPT-sized models, plain stage 3 beside ZeRO++ (hpZ = 8).
+   bf16, for GPT-sized models, plain stage 3 beside ZeRO++ (hpZ = 8), with the quantization time
+   it charges (timing.QUANTIZE_BW).
 """
 
 from __future__ import annotations
@@ -112,12 +114,13 @@ def _throughput(numel: int) -> list[tuple[str, float]]:
             blocks = plan_blocks(numel, bits)
             q, s = quantize(x.view(1, -1), blocks)
             rows.append((f"quantize {str(dtype)[6:]} -> int{bits}", nbytes / best(lambda: quantize(x.view(1, -1), blocks)) / 1e9))
+            out = torch.empty(1, numel, dtype=dtype)
             rows.append((f"dequantize int{bits} -> {str(dtype)[6:]}",
-                         nbytes / best(lambda: dequantize(q, s, blocks, dtype)) / 1e9))
+                         nbytes / best(lambda: dequantize(q, s, blocks, dtype, out=out)) / 1e9))
     return rows
 
 
-def _estimates() -> list[tuple[str, str, float, float, float]]:
+def _estimates() -> list[tuple[str, str, float, float, float, float]]:
     from zeroshard.estimate import Strategy, shape_from_params
     from zeroshard.estimate.hardware import Cluster, gpu_spec, inter_node_link
     from zeroshard.estimate.planner import Workload, evaluate
@@ -133,7 +136,8 @@ def _estimates() -> list[tuple[str, str, float, float, float]]:
                                                                  quantized_gradients=True))):
             c = evaluate(shape, Strategy(stage=Stage.PARAMETERS, precision=Precision.BF16, **kw), cluster, work)
             scope = c.comm.sent_by_scope()
-            rows.append((count, label, sum(scope["inter_node"].values()) / 1e9, c.time.comm_inter, c.time.step))
+            rows.append((count, label, sum(scope["inter_node"].values()) / 1e9, c.time.comm_inter,
+                         c.time.quantization, c.time.step))
     return rows
 
 
@@ -158,9 +162,10 @@ def main() -> None:
     for label, gbs in _throughput(1 << 24):
         print(f"  {label:44} {gbs:7.2f} GB/s")
     print("\n4. estimator: 2 nodes x 8 A100-80GB, 100 Gb/s (roce-100g) per node, bf16, seq 2048, micro-batch 1")
-    print(f"  {'model':5} {'config':12} {'inter-node GB/step/rank':>24} {'inter comm s':>13} {'step s':>8}")
-    for count, label, inter, t_inter, step in _estimates():
-        print(f"  {count:5} {label:12} {inter:>24.3f} {t_inter:>13.3f} {step:>8.3f}")
+    print(f"  {'model':5} {'config':12} {'inter-node GB/step/rank':>24} {'inter comm s':>13} {'quantize s':>11} "
+          f"{'step s':>8}")
+    for count, label, inter, t_inter, t_quant, step in _estimates():
+        print(f"  {count:5} {label:12} {inter:>24.3f} {t_inter:>13.3f} {t_quant:>11.3f} {step:>8.3f}")
 
 
 if __name__ == "__main__":

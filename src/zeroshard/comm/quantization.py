@@ -19,6 +19,7 @@ output (`out=`) and scales it there: one write of the output, no temporary of it
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -27,7 +28,8 @@ from zeroshard.comm.blocks import QMAX as _QMAX
 from zeroshard.comm.blocks import Blocks
 
 
-CHUNK_ELEMENTS = 1 << 17  # values per pass: 512 KiB of fp32 working buffer, one core's L2
+_LITTLE_ENDIAN = sys.byteorder == "little"  # int4 packing reads byte pairs as int16
+CHUNK_ELEMENTS = 1 << 17  # values per pass and torch thread: 512 KiB of fp32, one core's L2
 
 
 class _Work:
@@ -82,7 +84,9 @@ def _dequantize_chunk(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, 
 
 
 def _chunks(count: int, size: int) -> tuple[int, range]:
-    per = max(1, min(count, CHUNK_ELEMENTS // size))
+    """Blocks per chunk (CHUNK_ELEMENTS per torch thread: each thread's share stays in its core's
+    cache, and fewer, larger ops mean fewer of the threads' joins) and the chunks' first blocks."""
+    per = max(1, min(count, CHUNK_ELEMENTS * max(1, torch.get_num_threads()) // size))
     return per, range(0, count, per)
 
 
@@ -114,9 +118,15 @@ def quantize(x: torch.Tensor, blocks: Blocks,
             _quantize_chunk(tail, qmax, scales[i, full:], values[i, full * size :].view(1, size), work)
     if blocks.bits == 8:
         return values, scales
-    u = values.add_(8).view(torch.uint8).view(r, blocks.padded // 2, 2)  # 1..15: fits a nibble
-    packed = torch.bitwise_left_shift(u[:, :, 1], 4)
-    return packed.bitwise_or_(u[:, :, 0]).view(torch.int8), scales
+    # int4: each pair (even, odd) read as one little-endian int16 w = odd' << 8 | even', both
+    # offset by 8 to 1..15; the byte even' | odd' << 4 is the low byte of w | (w >> 4). Whole
+    # int16 ops, not strided byte ops (which do not vectorize)
+    if not _LITTLE_ENDIAN:
+        u = values.add_(8).view(torch.uint8).view(r, blocks.padded // 2, 2)
+        return torch.bitwise_left_shift(u[:, :, 1], 4).bitwise_or_(u[:, :, 0]).view(torch.int8), scales
+    w = values.add_(8).view(torch.int16)
+    packed = torch.bitwise_right_shift(w, 4).bitwise_or_(w).bitwise_and_(0xFF)
+    return packed.to(torch.uint8).view(torch.int8), scales
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
@@ -128,11 +138,14 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
     if blocks.bits == 8:
         q = payload.reshape(r, blocks.padded)
     else:
+        # each byte b to the int16 (b >> 4) << 8 | (b & 15): read as two int8, the (even, odd) pair
         u = payload.reshape(r, blocks.padded // 2).view(torch.uint8)
-        q = torch.empty(r, blocks.padded // 2, 2, dtype=torch.uint8, device=payload.device)
-        torch.bitwise_and(u, 15, out=q[:, :, 0])
-        torch.bitwise_right_shift(u, 4, out=q[:, :, 1])
-        q = q.view(torch.int8).view(r, blocks.padded).sub_(8)
+        if _LITTLE_ENDIAN:
+            w = u.to(torch.int16)
+            q = torch.bitwise_left_shift(w, 4).bitwise_or_(w).bitwise_and_(0x0F0F).view(torch.int8)
+        else:
+            q = torch.stack([u & 15, u >> 4], dim=2).view(torch.int8)
+        q = q.view(r, blocks.padded).sub_(8)
     per, starts = _chunks(count, size)
     work = _Work.get(per, size, payload.device) if out.dtype != torch.float32 else None
     full = count if blocks.padded == n else count - 1
