@@ -1,7 +1,9 @@
 """`zeroshard export CKPT OUT`: a consolidated Hugging Face style model from a checkpoint.
 
 Streams one tensor at a time from the rank files (peak memory about the largest
-tensor), so a model too big for one host's memory still exports. Writes
+tensor), so a model too big for one host's memory still exports. CKPT may also be a
+checkpoint DeepSpeed wrote (its fp32 masters are exported; nothing in it is unpickled
+beyond tensors and an allow-list of inert records). Writes
 `model.safetensors`, or shards and `model.safetensors.index.json`, plus `config.json`
 when the model came from `transformers`.
 
