@@ -20,7 +20,7 @@ Three sources, as in `model_size.py`:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from zeroshard.policies import ConfigError
 
