@@ -99,11 +99,11 @@ def _step_times(preset: str, offload: str, path: str, steps: int, seq: int, micr
     engine = zeroshard.initialize(model, cfg)
     tokens = synthetic_tokens(200_000, vocab)
     opt = engine.optimizer
-    tiers = [t for t in [getattr(opt, "_swap", None) and opt._swap.tier] + engine._param_tiers() if t]
+    swap = opt.store if hasattr(opt.store, "tier") else None  # the NVMe swap pipeline, when the optimizer has one
+    tiers = [t for t in [swap and swap.tier] + engine.param_tiers if t]
 
     def io_state():
-        swap = getattr(opt, "_swap", None)
-        wait = (swap.io_wait_s if swap else 0.0) + sum(t.ahead.wait_s for t in engine._param_tiers() if t.ahead)
+        wait = (swap.io_wait_s if swap else 0.0) + sum(t.ahead.wait_s for t in engine.param_tiers if t.ahead)
         return (wait, sum(t.io.bytes_read for t in tiers if hasattr(t, "io")),
                 sum(t.io.bytes_written for t in tiers if hasattr(t, "io")))
 

@@ -198,7 +198,7 @@ def main() -> None:
           f"= {init_rss * 2**30 / n:.2f} bytes/parameter; "
           f"RSS now {_rss_peak_gib('VmRSS:'):.2f} GiB", flush=True)
     opt = engine.optimizer
-    tiers = [opt._swap.tier] + engine._param_tiers()
+    tiers = [opt.store.tier] + engine.param_tiers
     disk = _disk_of(args.nvme_path)
     on_disk = sum(t.bytes_on_disk for t in tiers)
     print(f"disk {disk}: {on_disk / 1e9:.1f} GB in the run folders after initialize", flush=True)
@@ -212,7 +212,7 @@ def main() -> None:
                            "initialize_peak_rss_gib": round(init_rss, 2), "rows": rows}, f, indent=1)
 
     def waits() -> float:
-        return opt._swap.io_wait_s + sum(t.ahead.wait_s for t in engine._param_tiers() if t.ahead)
+        return opt.store.io_wait_s + sum(t.ahead.wait_s for t in engine.param_tiers if t.ahead)
 
     for step in range(args.steps):
         x, y = global_batch(tokens, args.micro, args.seq, step)

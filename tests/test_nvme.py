@@ -73,7 +73,7 @@ def _steps(engine, case, rank, world, steps):
 def _evidence(engine) -> dict:
     """What the files and the ledger say after a step."""
     opt = engine.optimizer
-    swap = opt._swap
+    swap = opt.store
     resident = 0  # bytes of optimizer tensors with real storage outside the swap buffers
     for b, m in enumerate(opt.masters):
         tensors = [m] + [v for v in opt.state.get(m, {}).values() if torch.is_tensor(v) and v.dim() > 0]
@@ -91,7 +91,7 @@ def _evidence(engine) -> dict:
     os.close(fd)
     param_tiers = engine.param_tiers
     params_on_disk = sum(b.shard().numel() * b.shard().element_size() for u in engine.units for b in u.buckets
-                         if getattr(b, "_home", None) is not None)
+                         if b.home_tier is not None)
     ahead = [t.ahead for t in param_tiers if t.ahead is not None]
     # the swap buffers that exist: one per slot the pipeline used (fewer slots than sub-groups: all)
     buffers = sum(slot.buffer.numel() * slot.buffer.element_size() for slot in swap._slots if slot.buffer is not None)

@@ -26,10 +26,10 @@ from torch import nn
 
 from zeroshard.api.banner import log_step, startup_banner
 from zeroshard.api.gathered import register_engine
-from zeroshard.api.surface import EngineSurface
+from zeroshard.api.surface import EngineSurface, cast_floats
 from zeroshard.comm import Comm, CommLedger, Topology
-from zeroshard.offload import activations, store_value
-from zeroshard.optim.clipping import clip_coefficient, global_grad_norm
+from zeroshard.offload import activations
+from zeroshard.optim.clipping import clip_coefficient, global_grad_norm, nonfinite_parameters
 from zeroshard.optim.loss_scaler import make_loss_scaler
 from zeroshard.optim.schedulers import make_scheduler
 from zeroshard.optim.template import OptimizerArg
@@ -104,7 +104,7 @@ class Engine(EngineSurface):
     def forward(self, *args, **kwargs):
         self.comm.where = f"step {self.global_steps}, forward"
         if self.settings.runtime.cast_forward_inputs and self.compute_dtype != torch.float32:
-            args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
+            args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
         started = time.perf_counter()
         self.params.begin_forward()
         try:
@@ -170,8 +170,8 @@ class Engine(EngineSurface):
         if overflow:
             self.skipped_steps += 1
             log.warning("step %d skipped: gradient norm is %s at loss scale %g (%d skipped so far); "
-                        "non-finite gradients on rank %d: %s", self.global_steps, raw, loss_scale,
-                        self.skipped_steps, self.rank, self.grads.nonfinite_parameters() or "none in its shard")
+                        "non-finite gradients on rank %d: %s", self.global_steps, raw, loss_scale, self.skipped_steps,
+                        self.rank, nonfinite_parameters(self.buckets, self.grads.grad_shard) or "none in its shard")
         else:
             coef = clip_coefficient(self._grad_norm or 0.0, self.settings.gradient_clipping) / loss_scale
             self.optimizer.step(self.grads.grad_shard, coef, self.params.publish)
@@ -229,10 +229,6 @@ class Engine(EngineSurface):
                     "loss is still divided by %d unless backward(scale_wrt_gas=False))", self.global_steps,
                     self._window_micro, gas, gas)
 
-    def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm of the last step, before clipping (None before any step)."""
-        return self._grad_norm
-
     # the step counters live in the TrainState (checkpoints read and restore them there)
     global_steps = _Counter()
     micro_steps = _Counter()
@@ -251,7 +247,7 @@ class Engine(EngineSurface):
         for b, bucket in enumerate(self.buckets):
             master = self.optimizer.master_value(b)  # read from its file on the nvme tier
             if master.data_ptr() != bucket.shard().data_ptr():
-                store_value(bucket.shard(), master)  # in memory, or in its nvme file (offload_param)
+                bucket.write_shard(master)  # in memory, or in its nvme file (offload_param)
             self.params.publish(b)
         self.params.wait()
 
@@ -291,14 +287,3 @@ class Engine(EngineSurface):
             tier.close()
         self.activation_offload.close()  # its files go
         self.topology.destroy()
-
-
-def _cast_floats(obj, dtype: torch.dtype):
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
-

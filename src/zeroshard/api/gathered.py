@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Comm, CommLedger, setup_topology
-from zeroshard.offload import store_value
 from zeroshard.partition.param_shards import shard_of, shard_parameter
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
@@ -79,8 +78,7 @@ class GatheredParameters:
             touched.update(id(p) for p in bucket.params)
             comm.broadcast(bucket.data, src, what=f"GatheredParameters from rank {src}").wait()
             lo, hi = bucket.shard_range
-            if bucket.shard().data_ptr() != bucket.data[lo:hi].data_ptr():  # a stage-3 shard kept apart
-                store_value(bucket.shard(), bucket.data[lo:hi])  # in memory, or in its nvme file
+            bucket.write_shard(bucket.data[lo:hi])  # a stage-3 shard kept apart: in memory, or in its nvme file
             if b < len(engine.buckets):
                 with engine.optimizer.resident(b):  # nvme tier: read, edited, written back
                     engine.optimizer.masters[b].copy_(bucket.data[lo:hi])

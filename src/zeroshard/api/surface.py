@@ -14,7 +14,11 @@ log = logging.getLogger("zeroshard")
 
 class EngineSurface:
     """Mixed into the Engine; reads only `settings`, `topology`, `module`, `comm`, `memory`,
-    `optimizer`, `loss_scaler` and the Engine's `_timers`."""
+    `optimizer`, `loss_scaler` and the Engine's `_timers` and `_grad_norm`."""
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last step, before clipping (None before any step)."""
+        return self._grad_norm
 
     def gradient_accumulation_steps(self) -> int:
         return self.settings.batch.gradient_accumulation_steps
@@ -88,3 +92,14 @@ class EngineSurface:
     def timers(self) -> dict[str, float]:
         """Cumulative seconds in forward, backward and step (wall_clock_breakdown)."""
         return dict(self._timers)
+
+
+def cast_floats(obj, dtype: torch.dtype):
+    """`obj` (tensors, in lists, tuples and dicts) with floating-point tensors cast to `dtype`."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: cast_floats(v, dtype) for k, v in obj.items()}
+    return obj

@@ -13,6 +13,7 @@ and `transformers`' `from_pretrained` accepts them too (it re-ties the weights).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,7 +26,6 @@ import torch
 from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.files import Entry, WriteError, write_safetensors, write_small
-from zeroshard.checkpoint.deepspeed_reader import open_checkpoint
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.snapshot import model_config
 from zeroshard.policies import CheckpointError, Stage
@@ -126,7 +126,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
-    with open_checkpoint(ckpt_dir, tag) as reader:  # zeroshard's own, or a folder DeepSpeed wrote
+    with CheckpointReader(ckpt_dir, tag) as reader:
         reader.verify([f for f in reader.files if ".optim." not in f])  # values only: a third of Adam's bytes
         names = reader.meta["names"]
         if exclude_frozen:
@@ -186,30 +186,26 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | 
 
 
 class _BucketStream:
-    """The full compute-dtype buffer of one bucket at a time, all-gathered from the at-rest
-    shards (the source of truth at stage 3) and dropped when the next bucket is asked for.
-    Every rank makes the same requests in the same order, so the gathers pair up."""
+    """The full compute-dtype buffer of one bucket at a time (`bucket.whole`: a unit bucket
+    all-gathered from its at-rest shards, the source of truth at stage 3; a persistent bucket as
+    it is), dropped when the next bucket is asked for. Every rank makes the same requests in
+    the same order, so the gathers pair up."""
 
     def __init__(self, ts) -> None:
         self.ts = ts
         self.bucket = None
+        self._held = contextlib.ExitStack()
         self.full: torch.Tensor | None = None
 
     def get(self, bucket) -> torch.Tensor:
         if bucket is not self.bucket:
             self.drop()
-            if bucket.layout.shard_count == 1 or getattr(bucket, "new_full", None) is None:
-                full = bucket.data  # a persistent bucket: whole on every rank, republished after each step
-            else:
-                full = bucket.new_full()
-                self.ts.comm.all_gather(full, bucket.gather_input(),  # from its tier (host, nvme file)
-                                            what=f"save_16bit_model, unit '{bucket.name}'").wait()
-            self.bucket, self.full = bucket, full
+            self.full = self._held.enter_context(bucket.whole(self.ts.comm, f"save_16bit_model, {bucket.label}"))
+            self.bucket = bucket
         return self.full
 
     def drop(self) -> None:
-        if self.bucket is not None and self.full is not self.bucket.data:
-            self.bucket.memory.release("params", f"{self.bucket.key}.full")
+        self._held.close()
         self.bucket = self.full = None
 
 

@@ -1,7 +1,8 @@
 """Tiers: where a shard's storage lives (device, host, nvme files). Knows nothing of stages."""
 
-from zeroshard.offload.tiers import (DeviceTier, HostTier, Tier, file_home_owner, host_step_threads, make_tier,
-                                     optimizer_offload_tier, optimizer_tiers, readable, store_value)
+from zeroshard.offload.choose import make_tier, optimizer_offload_tier
+from zeroshard.offload.nvme import readable, store_value
+from zeroshard.offload.tiers import DeviceTier, Home, HostTier, Tier, host_step_threads, optimizer_tiers
 
-__all__ = ["DeviceTier", "HostTier", "Tier", "file_home_owner", "host_step_threads", "make_tier",
-           "optimizer_offload_tier", "optimizer_tiers", "readable", "store_value"]
+__all__ = ["DeviceTier", "Home", "HostTier", "Tier", "host_step_threads", "make_tier", "optimizer_offload_tier",
+           "optimizer_tiers", "readable", "store_value"]

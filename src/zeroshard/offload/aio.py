@@ -225,9 +225,14 @@ class IOEngine:
         except FileNotFoundError:
             pass
 
-    def sync(self) -> None:
-        for fd, _ in self._fds.values():
+    def sync(self, path: str | None = None) -> None:
+        """fsync one file of this engine, or all of them."""
+        for fd, _ in ([self._fds[path]] if path is not None else self._fds.values()):
             os.fsync(fd)
+
+    def truncate(self, path: str, nbytes: int) -> None:
+        """Set the length of one file of this engine (a sparse extent where it grows)."""
+        os.ftruncate(self._fds[path][0], nbytes)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -248,18 +253,13 @@ def self_test(engine: IOEngine, nbytes: int = 64 << 20) -> tuple[float, float]:
     try:
         started = time.perf_counter()
         engine.write(path, buf, 0).wait()
-        os.fsync(engine._fds[path][0])
+        engine.sync(path)
         write_s = time.perf_counter() - started
         started = time.perf_counter()
         engine.read(path, buf, 0).wait()
         read_s = time.perf_counter() - started
     finally:
-        with engine._lock:
-            fd, dfd = engine._fds.pop(path)
-        os.close(fd)
-        if dfd >= 0:
-            os.close(dfd)
-        os.unlink(path)
+        engine.discard(path)
     engine.bytes_read -= nbytes
     engine.bytes_written -= nbytes
     return nbytes / write_s / 1e9, nbytes / read_s / 1e9

@@ -23,124 +23,20 @@ import os
 import shutil
 import socket
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from zeroshard.offload.aio import ALIGN, AioSettings, Handle, IOEngine, align_up, aligned_empty, self_test
-from zeroshard.offload.tiers import _FILE_HOMES, Tier
+from zeroshard.offload.aio import Handle, IOEngine, align_up, aligned_empty, self_test
+from zeroshard.offload.nvme_disk import PREFIX, aio_settings, check_path, check_space, sweep_stale
+from zeroshard.offload.tiers import Home, Tier
 from zeroshard.partition.flat_bucket import placeholder
-from zeroshard.policies import AioPolicy, NvmeError, NvmeSpaceError
+from zeroshard.policies import AioPolicy, NvmeError
 
 log = logging.getLogger("zeroshard")
 
-PREFIX = "zeroshard-"
 _SELFTESTS: dict[str, tuple[float, float]] = {}  # folder's device -> (write, read) GB/s, once per process
-
-
-def aio_settings(policy: AioPolicy) -> tuple[AioSettings, list[str]]:
-    """The I/O engine's settings from DeepSpeed's `aio` block, and one line per key saying what
-    it became (libaio's knobs have no one-to-one meaning for a thread pool)."""
-    threads = max(1, min(64, policy.queue_depth * policy.intra_op_parallelism))
-    lines = [
-        f"aio.block_size={policy.block_size}: each request is cut into pieces of this many bytes",
-        f"aio.queue_depth={policy.queue_depth} x aio.intra_op_parallelism={policy.intra_op_parallelism}: "
-        f"{threads} I/O thread(s), each with one positioned read/write in flight (so up to {threads} "
-        "requests are outstanding, as libaio's queue would hold)",
-        f"aio.single_submit={str(policy.single_submit).lower()}: "
-        + ("the pieces of a request run one after another" if policy.single_submit
-           else "the pieces of a request are submitted together"),
-        f"aio.overlap_events={str(policy.overlap_events).lower()}: "
-        + ("requests run in the background; callers wait only when they need the data" if policy.overlap_events
-           else "every request is waited for as it is submitted (no overlap)"),
-    ]
-    if policy.use_gds:
-        lines.append("aio.use_gds=true: ignored, GPUDirect Storage needs a GPU and cuFile; host buffers are used")
-    block = align_up(max(policy.block_size, ALIGN))
-    return AioSettings(block_size=block, threads=threads, single_submit=policy.single_submit,
-                       overlap=policy.overlap_events), lines
-
-
-def _lock_is_stale(folder: str) -> bool:
-    try:
-        fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR)
-    except OSError:
-        return True  # no lock file: a run that died while creating its folder
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False  # a live process holds it
-    finally:
-        os.close(fd)
-
-
-def sweep_stale(nvme_path: str) -> list[str]:
-    """Remove the run folders under `nvme_path` that no live process holds."""
-    removed = []
-    try:
-        names = os.listdir(nvme_path)
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(nvme_path, name)
-        if name.startswith(PREFIX) and os.path.isdir(path) and _lock_is_stale(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def check_path(nvme_path: str | None) -> str:
-    """`nvme_path` as an absolute directory this process can write, or one clear error."""
-    if not nvme_path:
-        raise NvmeError("offload device 'nvme' needs nvme_path: set offload_optimizer.nvme_path / "
-                        "offload_param.nvme_path (or --nvme-path) to a directory on a fast local drive")
-    path = os.path.abspath(os.path.expanduser(nvme_path))
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise NvmeError(f"nvme_path {path!r} is a file, not a directory; point nvme_path at a directory on the "
-                        "NVMe drive")
-    if not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        fix = (f"create it (mkdir -p {path})" if _creatable(parent)
-               else f"choose a directory on a writable drive ({parent} cannot hold one)")
-        raise NvmeError(f"nvme_path {path!r} does not exist; {fix}, or point nvme_path at an existing directory "
-                        "on the NVMe drive")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise NvmeError(f"nvme_path {path!r} is not writable by this user; fix its permissions or choose "
-                        "another directory")
-    return path
-
-
-def _creatable(parent: str) -> bool:
-    """Whether `mkdir -p` under `parent` could work: its nearest existing folder is writable and
-    not a kernel filesystem (/proc, /sys)."""
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    real = os.path.realpath(parent or "/")
-    if real == "/proc" or real.startswith(("/proc/", "/sys/")) or real == "/sys":
-        return False
-    return os.path.isdir(real) and os.access(real, os.W_OK | os.X_OK)
-
-
-def check_space(folder: str, need: int, sharers: int = 1) -> str:
-    """Raise NvmeSpaceError unless the disk under `folder` has room for `need` bytes for each of
-    `sharers` processes (the local ranks writing there) plus 1 GiB of slack; a line saying so."""
-    free = shutil.disk_usage(folder).free
-    total = need * max(1, sharers)
-    slack = 1 << 30
-    if total + slack > free:
-        raise NvmeSpaceError(
-            f"nvme_path {folder!r} has {_size(free)} free, but this run needs {_size(total)} "
-            f"({_size(need)} x {sharers} local rank(s)) + 1 GiB slack; free space there, use a larger "
-            "drive, or offload less (offload_optimizer.device: cpu, or a larger world size)")
-    return (f"needs {_size(total)} on disk ({sharers} local rank(s)), {_size(free)} free")
-
-
-def _size(nbytes: int) -> str:
-    """Bytes in the unit that shows them: 0.43 MiB, not 0.00 GiB."""
-    if nbytes >= 2**30:
-        return f"{nbytes / 2**30:.2f} GiB"
-    return f"{nbytes / 2**20:.2f} MiB"
 
 
 @dataclass(frozen=True)
@@ -185,6 +81,7 @@ class NvmeTier(Tier):
         self._lock = threading.Lock()
         self.ahead = _ReadAhead(self, *read_ahead) if read_ahead[0] > 0 else None
         self.startup_lines: list[str] = []
+        _OPEN.add(self)
         atexit.register(self.close)
 
     # -- start-up --------------------------------------------------------------------------------
@@ -228,7 +125,7 @@ class NvmeTier(Tier):
             self._end += region.nbytes
             # the file covers every region whole, so aligned (O_DIRECT) reads of a region never
             # run past its end; the unwritten tail of a region reads as zeros (a sparse extent)
-            os.ftruncate(self.io._fds[self.path][0], self._end)
+            self.io.truncate(self.path, self._end)
         return region
 
     def region_of(self, home: torch.Tensor) -> Region | None:
@@ -262,8 +159,19 @@ class NvmeTier(Tier):
         self.wait(self.write(region, t))
         home = placeholder(t.shape, t.dtype)
         self._regions[id(home)] = (region, home)
-        _FILE_HOMES[id(home)] = (self, home)
         return home
+
+    def home(self, tensor: torch.Tensor, copy: bool = False) -> "NvmeHome":
+        """`tensor`'s values written to a new region of the file; its home reads and writes them."""
+        return NvmeHome(self, self.place(tensor))
+
+    def placed(self) -> list[tuple[int, Region, torch.Tensor]]:
+        """(key, region, placeholder) of every shard placed on this tier."""
+        return [(key, region, home) for key, (region, home) in self._regions.items()]
+
+    def region_by_key(self, key: int) -> Region | None:
+        entry = self._regions.get(key)
+        return entry[0] if entry is not None else None
 
     def fetch(self, home: torch.Tensor, device: torch.device, stream=None) -> torch.Tensor:
         """A fresh tensor with `home`'s values (from the read-ahead pool when it was predicted)."""
@@ -296,8 +204,7 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._closed = True
-        for key in [k for k, (tier, _) in _FILE_HOMES.items() if tier is self]:
-            del _FILE_HOMES[key]
+        _OPEN.discard(self)
         try:
             if self.ahead is not None:
                 self.ahead.drop_all()
@@ -312,6 +219,40 @@ class NvmeTier(Tier):
             atexit.unregister(self.close)
         except Exception:  # pragma: no cover - interpreter shutting down
             pass
+
+
+class NvmeHome(Home):
+    """A shard in a region of the tier's file; `tensor` is its placeholder."""
+
+    def read(self) -> torch.Tensor:
+        return self.tier.fetch(self.tensor, torch.device("cpu"))
+
+    def write(self, value: torch.Tensor, asynchronous: bool = False) -> None:
+        self.tier.store(self.tensor, value)
+
+
+# Open tiers, for `readable` / `store_value`: callers that hold a bucket's `shard()` rather
+# than its home (a bucket's own `read_shard` / `write_shard` go through its home directly).
+_OPEN: "weakref.WeakSet[NvmeTier]" = weakref.WeakSet()
+
+
+def _owner(t: torch.Tensor) -> NvmeTier | None:
+    return next((tier for tier in list(_OPEN) if tier.region_of(t) is not None), None)
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or, when `t` is the placeholder of a shard kept in a file, a fresh tensor with its values."""
+    owner = _owner(t)
+    return t if owner is None else owner.fetch(t, torch.device("cpu"))
+
+
+def store_value(home: torch.Tensor, value: torch.Tensor) -> None:
+    """Write `value` into `home`, a tensor or the placeholder of a shard kept in a file."""
+    owner = _owner(home)
+    if owner is None:
+        home.copy_(value)
+    else:
+        owner.store(home, value)
 
 
 class _ReadAhead:
@@ -369,12 +310,12 @@ class _ReadAhead:
         for other in [o for o in self.inflight if o not in window]:  # the order changed: drop them
             self._drop(other)
         if not self.buffer_bytes:
-            sizes = [r.nbytes for r, h in self.tier._regions.values() if h.numel() <= self.numel]
+            sizes = [r.nbytes for _, r, h in self.tier.placed() if h.numel() <= self.numel]
             self.buffer_bytes = max(sizes or [0])
         for k in window:
-            if k in self.inflight or k not in self.tier._regions:
+            region = self.tier.region_by_key(k)
+            if k in self.inflight or region is None:
                 continue
-            region, home = self.tier._regions[k]
             if region.nbytes > self.buffer_bytes:
                 continue
             buf = self._buffer()
@@ -403,7 +344,7 @@ class _ReadAhead:
         if key in self.inflight:
             buf, handle = self.inflight.pop(key)
             self.tier.wait(handle)
-            region = self.tier._regions[key][0]
+            region = self.tier.region_by_key(key)
             self.inflight[key] = (buf, self.tier.read(region, buf[:region.nbytes]))
 
     def drop_all(self) -> None:
@@ -411,5 +352,5 @@ class _ReadAhead:
             self._drop(key)
 
 
-__all__ = ["NvmeTier", "Region", "aio_settings", "aligned_empty", "check_path", "check_space", "placeholder",
-           "sweep_stale"]
+__all__ = ["NvmeHome", "NvmeTier", "Region", "aio_settings", "aligned_empty", "check_path", "check_space",
+           "placeholder", "readable", "store_value", "sweep_stale"]

@@ -24,31 +24,6 @@ from zeroshard.policies import OffloadDevice, OffloadPolicy
 
 log = logging.getLogger("zeroshard")
 
-# Shards whose values live in a file (the nvme tier): placeholder id -> (owning tier, placeholder).
-# Any tier's `store` into such a home, and `readable`, go through the owner.
-_FILE_HOMES: dict[int, tuple["Tier", torch.Tensor]] = {}
-
-
-def file_home_owner(t: torch.Tensor):
-    entry = _FILE_HOMES.get(id(t))
-    return entry[0] if entry is not None and entry[1] is t else None
-
-
-def readable(t: torch.Tensor) -> torch.Tensor:
-    """`t` itself, or, when `t` is a shard kept in a file, a fresh tensor with its values."""
-    owner = file_home_owner(t)
-    return t if owner is None else owner.fetch(t, torch.device("cpu"))
-
-
-def store_value(home: torch.Tensor, value: torch.Tensor) -> None:
-    """Write `value` into `home`, a tensor or a shard kept in a file."""
-    owner = file_home_owner(home)
-    if owner is None:
-        home.copy_(value)
-    else:
-        owner.store(home, value)
-
-
 class Tier:
     name = "device"
 
@@ -70,12 +45,12 @@ class Tier:
         with torch.cuda.stream(stream):
             return home.to(device, non_blocking=home.is_pinned())
 
+    def home(self, tensor: torch.Tensor, copy: bool = False) -> "Home":
+        """A home on this tier for `tensor`'s values (moved, or with `copy` copied, there)."""
+        return Home(self, self.place(tensor, copy))
+
     def store(self, home: torch.Tensor, work: torch.Tensor) -> None:
         """Write `work` back into `home` (nothing to do when they are the same tensor)."""
-        owner = file_home_owner(home)
-        if owner is not None and owner is not self:  # e.g. stage 3 parameter shards on the nvme tier
-            owner.store(home, work)
-            return
         if work.data_ptr() != home.data_ptr():
             home.copy_(work, non_blocking=home.is_pinned() or work.is_pinned())
 
@@ -87,6 +62,30 @@ class Tier:
 
     def close(self) -> None:
         """Release what the tier holds outside tensors (files, threads); memory tiers hold none."""
+
+
+class Home:
+    """Where one shard rests on a tier. `tensor` stands for it in memory: the shard itself on the
+    device and host tiers, a placeholder with its shape on the nvme tier (offload/nvme.py)."""
+
+    def __init__(self, tier: Tier, tensor: torch.Tensor) -> None:
+        self.tier, self.tensor = tier, tensor
+
+    def read(self) -> torch.Tensor:
+        """The values: the shard itself in memory (a fresh tensor read from a file on nvme)."""
+        return self.tensor
+
+    def write(self, value: torch.Tensor, asynchronous: bool = False) -> None:
+        """New values; `asynchronous` lets a copy between pinned host memory and a device run
+        on the stream (the next read on that stream sees it)."""
+        if asynchronous:
+            self.tier.store(self.tensor, value)
+        else:
+            self.tensor.copy_(value)
+
+    def fetch(self, device: torch.device, stream=None) -> torch.Tensor:
+        """A work copy on `device` (the shard itself when it is there already)."""
+        return self.tier.fetch(self.tensor, device, stream)
 
 
 class DeviceTier(Tier):
@@ -120,21 +119,12 @@ class HostTier(Tier):
         return "host (cpu" + (", pinned)" if self.pin else ")")
 
 
-def make_tier(policy: OffloadPolicy, device: torch.device, aio=None, rank: int = 0,
-              purpose: str = "shards") -> Tier:
-    """The tier `policy` asks for. `aio` (an AioPolicy), `rank` and `purpose` name and drive the
-    NVMe tier's files; the other tiers ignore them."""
+def memory_tier(policy: OffloadPolicy, device: torch.device) -> Tier:
+    """The tier in memory `policy` asks for: the host with `cpu`, else the device (the nvme
+    tier is offload/nvme.py's; `zeroshard.offload.make_tier` chooses among all three)."""
     if policy.device is OffloadDevice.CPU:
         return HostTier(policy.pin_memory)
-    if policy.device is OffloadDevice.NONE:
-        return DeviceTier(device)
-    if policy.device is OffloadDevice.NVME:
-        from zeroshard.offload.nvme import NvmeTier
-        from zeroshard.policies import AioPolicy
-
-        read_ahead = (policy.buffer_count, policy.buffer_size) if purpose == "params" else (0, 0)
-        return NvmeTier(policy.nvme_path, aio or AioPolicy(), purpose, rank, read_ahead)
-    raise NotImplementedError(f"offload device {policy.device.value!r} has no tier")
+    return DeviceTier(device)
 
 
 def host_step_threads(local_world_size: int) -> tuple[int, str]:
@@ -148,11 +138,6 @@ def host_step_threads(local_world_size: int) -> tuple[int, str]:
         torch.set_num_threads(share)
         return share, f"{share} thread(s) ({cores} cores / {local_world_size} local ranks; was {now})"
     return now, f"{now} thread(s) ({cores} cores, {local_world_size} local ranks)"
-
-
-def optimizer_offload_tier(policy: OffloadPolicy, device: torch.device, aio=None, rank: int = 0) -> Tier | None:
-    """The one tier `offload_optimizer` sends masters and states to, or None without offload."""
-    return None if policy.device is OffloadDevice.NONE else make_tier(policy, device, aio, rank, "optimizer")
 
 
 def optimizer_tiers(policy: OffloadPolicy, sizes: Sequence[int], device: torch.device,

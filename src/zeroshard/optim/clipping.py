@@ -1,4 +1,5 @@
-"""Global gradient norm over shards, and the clipping coefficient (torch's formula)."""
+"""Global gradient norm over shards, the clipping coefficient (torch's formula), and which
+parameters overflowed."""
 
 from __future__ import annotations
 
@@ -27,3 +28,20 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     if max_norm <= 0 or not math.isfinite(norm):
         return 1.0
     return min(1.0, max_norm / (norm + 1e-6))
+
+
+def nonfinite_parameters(buckets, grad_shard, limit: int = 3) -> list[str]:
+    """Names of parameters whose reduced gradient in this rank's shard (`grad_shard(b)` of each
+    bucket) holds inf or nan: called only after an overflow, to say where it came from."""
+    names: list[str] = []
+    for b, bucket in enumerate(buckets):
+        shard, (lo, _) = grad_shard(b), bucket.shard_range
+        if bool(torch.isfinite(shard).all()):
+            continue
+        for slot in bucket.slots:
+            part = bucket.layout.slot_in_shard(slot, bucket.shard_index)
+            if part and not bool(torch.isfinite(shard[part[0] - lo : part[1] - lo]).all()):
+                names.append(slot.name)
+                if len(names) >= limit:
+                    return names
+    return names

@@ -191,14 +191,21 @@ class SwapPipeline:
             slot.sub_group = -1
 
     # -- outside the step: one bucket at a time ------------------------------------------------
+    can_step_early = False  # the pipeline runs the sub-groups in order, after backward
+
     def master_value(self, b: int) -> torch.Tensor:
-        """A fresh tensor with bucket b's master values (read from the file)."""
+        """Bucket b's master values: a fresh tensor read from the file, or the master itself
+        where bucket b is not on the nvme tier."""
+        if not self.swapped[b]:
+            return self.masters[b]
         self.drain()
         out = torch.empty(self.masters[b].shape, dtype=torch.float32)
         self.tier.wait(self.tier.read(self.tier.region_of(self.masters[b]), out))
         return out
 
     def state_value(self, b: int, name: str) -> torch.Tensor:
+        if not self.swapped[b]:
+            return self.optimizer.state[self.masters[b]][name]
         self.drain()
         if name not in self.state_names(b):
             return self.optimizer.state[self.masters[b]][name]
@@ -206,10 +213,13 @@ class SwapPipeline:
         self.tier.wait(self.tier.read(self._state_region(b, name), out))
         return out
 
-    @contextlib.contextmanager
     def resident(self, b: int):
-        """Bucket b's master and states in memory (fresh tensors) for in-place edits, written
-        back on exit."""
+        """Bucket b's master and states in memory for in-place edits (fresh tensors read from the
+        file and written back on exit, where bucket b is swapped)."""
+        return self._resident(b) if self.swapped[b] else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _resident(self, b: int):
         self.drain()
         m = self.masters[b]
         state = self.optimizer.state.get(m, {})
@@ -220,9 +230,20 @@ class SwapPipeline:
         try:
             yield
         finally:
-            self.spill(b)
+            self._spill(b)
 
-    def spill(self, b: int, states: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def spill(self, b: int, states: dict[str, Any]) -> dict[str, Any]:
+        """`states` to hand to load_state_dict for bucket b: where it is swapped, its per-element
+        states are written to the file now and replaced by placeholders."""
+        return self._spill(b, states) if self.swapped[b] else states
+
+    def after_load(self) -> None:
+        """The optimizer just loaded its states: those of swapped buckets go to the file."""
+        for b, swapped in enumerate(self.swapped):
+            if swapped:
+                self._spill(b)
+
+    def _spill(self, b: int, states: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Write bucket b's in-memory master (and `states`, or its optimizer states) to the file
         and leave placeholders; `states` is returned with placeholders in place of what went."""
         m = self.masters[b]
@@ -239,10 +260,6 @@ class SwapPipeline:
                 else:
                     v.data = placeholder(m.shape, torch.float32)
         return states
-
-    def disk_bytes_needed(self) -> int:
-        """Bytes the tier's file reaches once every state exists."""
-        return sum(self._piece[b] * (1 + self.k) for b, s in enumerate(self.swapped) if s)
 
     def close(self) -> None:
         self.drain()

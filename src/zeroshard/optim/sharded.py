@@ -13,33 +13,23 @@ to the host before it steps (on CUDA through pinned staging buffers on a side st
 next sub-group's copy overlapping this one's step) and its updated masters are written back
 to the device shards. Where host and device are the same memory (a CPU-only machine) no
 copy is made: the tier only says, in the ledger, where each byte belongs. Buckets on the
-`nvme` tier are swapped in and out around their sub-group's step by `optim/nvme_swap.py`
-(the `_swap` lines below are its only hooks).
+`nvme` tier are swapped in and out around their sub-group's step by `optim/nvme_swap.py`:
+the optimizer's `store` (chosen once: `ResidentStates` in memory, or the swap pipeline) says
+where masters and states rest between steps; the step loop is the same for both.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from zeroshard.offload import DeviceTier, Tier, readable
+from zeroshard.offload import DeviceTier, Tier
 from zeroshard.partition import FlatBucket, MemoryLedger
+from zeroshard.partition.layout import sub_groups
 
 Builder = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-
-
-def sub_groups(sizes: list[int], cap: int) -> list[list[int]]:
-    """Consecutive indices whose sizes sum to at most `cap` (a larger item stands alone)."""
-    out: list[list[int]] = []
-    used = 0
-    for i, size in enumerate(sizes):
-        if not out or used + size > cap:
-            out.append([])
-            used = 0
-        out[-1].append(i)
-        used += size
-    return out
 
 
 class ShardedOptimizer:
@@ -56,7 +46,7 @@ class ShardedOptimizer:
             if m is not None:  # a separate fp32 master (already on its tier when the build put it there)
                 self.masters.append(tier.place(m))
                 continue
-            shard = readable(b.shard())  # a stage-3 shard kept in a file (offload_param nvme) is read once
+            shard = b.read_shard()  # a stage-3 shard kept in a file (offload_param nvme) is read once
             if tier.same_memory(shard.device):
                 self.masters.append(shard)
             else:
@@ -73,7 +63,8 @@ class ShardedOptimizer:
         self._final: dict[int, set[int]] = {}  # sub-group -> its buckets whose gradients are final
         self._stepped: set[int] = set()  # sub-groups stepped early (during backward) this step
         self._queued: list[tuple[int, Any]] = []  # final sub-groups whose gradients are being staged
-        self._swap = _nvme_swap(self, build, group_options, swap_buffers)  # None unless a tier is nvme
+        # where masters and states rest between steps: in memory, or swapped to NVMe files
+        self.store = _state_store(self, build, group_options, swap_buffers)
         self._count_states()
 
     # The torch optimizer's surface that users and LR schedulers reach for.
@@ -90,10 +81,7 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
-        if self._swap is not None:  # loaded states go to the files
-            for b, swapped in enumerate(self._swap.swapped):
-                if swapped:
-                    self._swap.spill(b)
+        self.store.after_load()  # loaded states go to their files (nvme)
         self._count_states()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -113,13 +101,10 @@ class ShardedOptimizer:
             grads = self._staging.finish(staged)
             if i + 1 < len(todo):  # the next sub-group's device->host copy overlaps this step
                 staged = self._staging.start(self._sub_groups[todo[i + 1]], grad_shard)
-            if self._swap is not None:
-                self._swap.swap_in(k)  # and starts reading sub-group k+1
+            self.store.swap_in(k)  # nvme: and starts reading sub-group k+1
             self._step_sub_group(k, grads, scale, after_bucket)
-            if self._swap is not None:
-                self._swap.swap_out(k)  # written while sub-group k+1 steps
-        if self._swap is not None:
-            self._swap.drain()
+            self.store.swap_out(k)  # nvme: written while sub-group k+1 steps
+        self.store.drain()
         self.forget_early()
         self._count_states()
 
@@ -127,7 +112,7 @@ class ShardedOptimizer:
     def can_step_early(self) -> bool:
         """Whether sub-groups may step one by one as their gradients become final (during
         backward): not when their states stream through the NVMe pipeline, which runs in order."""
-        return self._swap is None
+        return self.store.can_step_early
 
     def forget_early(self) -> None:
         """A new accumulation boundary: no sub-group has stepped early yet."""
@@ -177,40 +162,31 @@ class ShardedOptimizer:
         self.optimizer.step()
         for b in indices:
             self.masters[b].grad = None
-            if self._separate[b]:
-                self.tiers[b].store(self.buckets[b].shard(), self.masters[b])
+            if self._separate[b]:  # into the shard's home (a file with offload_param nvme)
+                self.buckets[b].write_shard(self.masters[b], asynchronous=True)
             after_bucket(b)
         self.memory.release("grads", "fp32_subgroup")
 
     # -- values of masters and states wherever they live (the NVMe tier keeps placeholders) --
     def master_value(self, b: int) -> torch.Tensor:
         """Bucket b's fp32 master values: the master itself, or a fresh copy read from its file."""
-        if self._swap is not None and self._swap.swapped[b]:
-            return self._swap.master_value(b)
-        return self.masters[b]
+        return self.store.master_value(b)
 
     def state_value(self, b: int, name: str) -> Any:
-        if self._swap is not None and self._swap.swapped[b]:
-            return self._swap.state_value(b, name)
-        return self.optimizer.state[self.masters[b]][name]
+        return self.store.state_value(b, name)
 
-    def resident(self, b: int):
+    def resident(self, b: int) -> ContextManager[None]:
         """A context in which bucket b's master and states are real tensors that may be edited."""
-        import contextlib
-
-        return self._swap.resident(b) if self._swap is not None and self._swap.swapped[b] else contextlib.nullcontext()
+        return self.store.resident(b)
 
     def spill_states(self, b: int, states: dict[str, Any]) -> dict[str, Any]:
         """`states` for bucket b as they should be handed to load_state_dict: on the NVMe tier the
         per-element ones are written to the file now and replaced by placeholders (bounded memory)."""
-        if self._swap is not None and self._swap.swapped[b]:
-            return self._swap.spill(b, states)
-        return states
+        return self.store.spill(b, states)
 
     def close(self) -> None:
         """Finish pending I/O and remove the NVMe tier's files (nothing to do on other tiers)."""
-        if self._swap is not None:
-            self._swap.close()
+        self.store.close()
 
     def _state_tensors(self, master: torch.Tensor) -> Iterator[torch.Tensor]:
         for value in self.optimizer.state.get(master, {}).values():
@@ -240,9 +216,38 @@ class ShardedOptimizer:
         return ", ".join(parts)
 
 
-def _nvme_swap(opt: ShardedOptimizer, build: Builder, group_options: list[dict[str, Any]], buffers: int):
+class ResidentStates:
+    """Masters and states that stay in memory (the device or host tier) between steps: the
+    store's swap points do nothing and values are the tensors themselves."""
+
+    can_step_early = True
+
+    def __init__(self, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        self.masters, self.optimizer = masters, optimizer
+
+    def swap_in(self, k: int) -> None: ...
+    def swap_out(self, k: int) -> None: ...
+    def drain(self) -> None: ...
+    def after_load(self) -> None: ...
+    def close(self) -> None: ...
+
+    def master_value(self, b: int) -> torch.Tensor:
+        return self.masters[b]
+
+    def state_value(self, b: int, name: str) -> Any:
+        return self.optimizer.state[self.masters[b]][name]
+
+    def resident(self, b: int) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def spill(self, b: int, states: dict[str, Any]) -> dict[str, Any]:
+        return states
+
+
+def _state_store(opt: ShardedOptimizer, build: Builder, group_options: list[dict[str, Any]], buffers: int):
+    """Chosen once: the NVMe swap pipeline when any bucket's tier is nvme, else in memory."""
     if not any(t.name == "nvme" for t in opt.tiers):
-        return None
+        return ResidentStates(opt.masters, opt.optimizer)
     from zeroshard.optim.nvme_swap import SwapPipeline, state_count
 
     tier = next(t for t in opt.tiers if t.name == "nvme")

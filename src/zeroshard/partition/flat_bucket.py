@@ -6,6 +6,9 @@ buffer reads and writes every parameter in place, with no copy in or out.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -84,6 +87,24 @@ class FlatBucket:
         """This rank's slice of the parameter buffer (a view)."""
         lo, hi = self.shard_range
         return self.data[lo:hi]
+
+    def read_shard(self) -> torch.Tensor:
+        """This rank's shard's values (a tensor in memory; `UnitBucket` may read them from a file)."""
+        return self.shard()
+
+    def write_shard(self, value: torch.Tensor, asynchronous: bool = False) -> None:
+        """New values for this rank's shard; `asynchronous`: a copy between pinned host memory and
+        the device may run on the stream."""
+        shard = self.shard()
+        if value.data_ptr() == shard.data_ptr():
+            return
+        shard.copy_(value, non_blocking=asynchronous and (shard.is_pinned() or value.is_pinned()))
+
+    @contextlib.contextmanager
+    def whole(self, collective, what: str) -> Iterator[torch.Tensor]:
+        """The full buffer: whole on every rank already (stages 0-2, and stage 3's persistent
+        buckets, republished after each step); `UnitBucket` gathers it."""
+        yield self.data
 
     def zeros_like_data(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A zeroed buffer of the bucket's full (padded) size."""

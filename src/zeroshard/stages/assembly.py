@@ -12,9 +12,7 @@ from torch import nn
 
 from zeroshard.comm import Comm, Handle
 from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
-
-ALIGN_BYTES = 16  # each shard starts on a 16-byte boundary (vectorised kernels, NCCL)
-
+from zeroshard.partition.layout import alignment_for
 
 @dataclass
 class ModelParts:
@@ -42,7 +40,7 @@ def build_buckets(parts: ModelParts, group_of: dict[int, int], bucket_numel: int
     infos = [ParamInfo(parts.names[id(p)], tuple(p.shape), str(t), group_of[id(p)])
              for p, t in zip(parts.trainable, target)]
     itemsize = min(torch.empty((), dtype=t).element_size() for t in target)
-    layouts = plan_buckets(infos, bucket_numel, shard_count, alignment=max(1, ALIGN_BYTES // itemsize))
+    layouts = plan_buckets(infos, bucket_numel, shard_count, alignment=alignment_for(itemsize))
     return [FlatBucket(lay, [parts.trainable[s.index] for s in lay.slots], shard_index, memory) for lay in layouts]
 
 

@@ -22,6 +22,7 @@ from zeroshard.optim.sharded import ShardedOptimizer
 from zeroshard.optim.template import OptimizerArg, OptimizerPlan, plan_optimizer
 from zeroshard.partition import FlatBucket, MemoryLedger
 from zeroshard.partition.buffer_pool import BufferPool
+from zeroshard.partition.layout import shard_count_for
 from zeroshard.partition.malloc_trim import HeapTrim
 from zeroshard.policies import ConfigError, NotSupportedYetError, OffloadDevice, Settings, Stage
 from zeroshard.stages.assembly import (
@@ -61,11 +62,6 @@ class Assembled:
     host_threads: str  # the host step's threads ("" when no optimizer state is on the host)
     heap_trim: HeapTrim
     nvme_lines: list[str]  # NVMe space checks, self-tests and knobs
-
-
-def shard_count_for(stage: Stage, world_size: int) -> int:
-    """How many ways optimizer state is split: stage 0 keeps it whole on every rank."""
-    return 1 if stage == Stage.DATA_PARALLEL else world_size
 
 
 def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLedger, pool: BufferPool,

@@ -1,4 +1,4 @@
-"""Gradient storage and reduction for stages 0, 1 and 2: strategies over FlatBuckets.
+"""Gradient storage and reduction for every stage: strategies over FlatBuckets.
 
 One class, `BucketedGradients`, runs the life of a bucket's gradient in a micro-step:
 arrive (post-accumulate-grad hook) -> bucket complete -> reduction launched
@@ -8,7 +8,8 @@ choose only where the gradient lives and which collective reduces it:
   stage 0  `AllReducedGradients`    full buffer kept; all-reduce at the boundary
   stage 1  `ScatteredGradients`     full buffer kept; reduce-scatter at the boundary
   stage 2  `PartitionedGradients`   full buffer only while in flight; reduce-scatter every
-                                   micro-step into a persistent shard accumulator
+  and 3                            micro-step into a persistent shard accumulator (stage 3: a
+                                   unit's buckets, reduced as its backward ends; qgZ's reducer)
 
 Gradients are pre-divided by the world size before the sum, so a reduced gradient is
 the mean over ranks (and fp16 sums do not overflow).
@@ -30,11 +31,7 @@ from zeroshard.stages.hooks import Hooks
 
 # stages 2 and 3: buckets whose reduction may still run when the next one launches; with 1, at
 # most two full gradient buffers exist (one reducing, one filling), as in FSDP, whose unit's
-# reduce-scatter runs while the next unit computes. (Stage 3 used 0 while gloo's reduce-scatter
-# blocked the caller; as an all-to-all (now point-to-point sends) it does not, and 1 measured
-# 0.89x stage 3's step time, 3.45/3.56 s against 4.03/3.74 s in two interleaved rounds of the
-# peer harness at 50M. Stage 2 with 2 in flight: 3.71/3.88 s against 3.75/3.74 s with 1, after
-# the direct sends; no gain, so 1.)
+# reduce-scatter runs while the next unit computes (measured: bench/RESULTS.md, 2026-12-01 16:13)
 MAX_IN_FLIGHT = 1
 
 
@@ -191,22 +188,6 @@ class BucketedGradients:
 
     def zero_grads(self) -> None:
         raise NotImplementedError
-
-    def nonfinite_parameters(self, limit: int = 3) -> list[str]:
-        """Names of parameters whose reduced gradient in this rank's shard holds inf or nan
-        (called only after an overflow, to say where it came from)."""
-        names: list[str] = []
-        for b, bucket in enumerate(self.buckets):
-            shard, (lo, _) = self.grad_shard(b), bucket.shard_range
-            if bool(torch.isfinite(shard).all()):
-                continue
-            for slot in bucket.slots:
-                part = bucket.layout.slot_in_shard(slot, bucket.shard_index)
-                if part and not bool(torch.isfinite(shard[part[0] - lo : part[1] - lo]).all()):
-                    names.append(slot.name)
-                    if len(names) >= limit:
-                        return names
-        return names
 
 
 class _PersistentGradients(BucketedGradients):

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, ContextManager, Iterator, Protocol
 from torch import nn
 
 from zeroshard.comm import Comm, Handle
-from zeroshard.partition import FlatBucket, chunk_ranges
+from zeroshard.partition import FlatBucket
+from zeroshard.partition.layout import gather_ranges
 
 if TYPE_CHECKING:
     from zeroshard.stages.stage3 import Stage3Runtime
@@ -36,7 +37,7 @@ class ParamPublisher:
             self._pending.append(self.comm.all_gather(bucket.data, bucket.shard(), what=f"parameter bucket {b}"))
             return
         n, size = self.comm.world_size, bucket.layout.shard_numel
-        for lo, hi in chunk_ranges(size, max(1, self.cap // n)):
+        for lo, hi in gather_ranges(size, bucket.data.numel(), self.cap, n):
             views = [bucket.data[r * size + lo : r * size + hi] for r in range(n)]
             self._pending.append(self.comm.all_gather_into(views, views[self.comm.rank],
                                                            what=f"parameter bucket {b} chunk {lo}"))

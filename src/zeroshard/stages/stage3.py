@@ -2,16 +2,17 @@
 
 State is explicit: the engine moves `phase` through IDLE -> FORWARD -> IDLE -> BACKWARD
 -> IDLE; each unit is RELEASED, GATHERING (all-gather in flight) or GATHERED, and counts
-its active users. Hooks are registered here and only here, and their handles kept.
+its active users. Its hooks go through `stages/hooks.py`, which keeps their handles; each
+bucket owns its full buffer (`UnitBucket.start_gather` / `finish_gather` / `release`).
 
 - forward: a unit's pre-forward hook gathers it (waiting for a prefetch if one is in
   flight) and prefetches the next units of the recorded order; its post-forward hook
   releases it unless it is reused soon (`max_reuse_distance`) and memory allows
   (`max_live_parameters`), and registers a hook on its outputs that gathers it again
   when backward reaches them.
-- backward: the unit is released once the gradients w.r.t. its inputs exist (an identity
-  identity on the inputs tells: `hooks.after_inputs_grad`), or at the end of backward. A forward that runs *during*
-  backward is an activation-checkpoint recompute: it gathers but never releases.
+- backward: the unit is released once the gradients w.r.t. its inputs exist (an identity on
+  the inputs tells: `hooks.after_inputs_grad`), or at the end of backward. A forward that
+  runs *during* backward is an activation-checkpoint recompute: it gathers but never releases.
 - order: the first step records the sequence of gathers; later steps prefetch along it.
   A step whose sequence differs (control flow changed) stops prefetching for the rest
   of the step, and its sequence becomes the new record. Every rank does the same.
@@ -25,18 +26,19 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from typing import Any
-
-from zeroshard.comm import Comm, Handle
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import Stage3Policy
 from zeroshard.stages.hooks import Hooks, after_inputs_grad, when_grad_reaches
+
+if TYPE_CHECKING:
+    from zeroshard.comm import AllGather
 
 log = logging.getLogger("zeroshard")
 
@@ -67,7 +69,6 @@ class Unit:
     buckets: list[UnitBucket]
     state: UnitState = UnitState.RELEASED
     users: int = 0
-    pending: list[tuple[UnitBucket, torch.Tensor, Handle]] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -92,17 +93,17 @@ class Unit:
 @dataclass(frozen=True)
 class Stage3Collectives:
     """What gathers a unit's bucket: `forward` / `backward` for trainable buckets, `*_frozen`
-    for frozen ones (each a Comm or a collective with the same `all_gather`, e.g. qwZ's), and
-    `hpz`, the comm of this rank's hpZ group (None without hpZ)."""
+    for frozen ones (a plain Comm, or qwZ's quantized all-gather), and `hpz`, the comm of this
+    rank's hpZ group (None without hpZ)."""
 
-    forward: Any
-    backward: Any
-    forward_frozen: Any
-    backward_frozen: Any
-    hpz: Comm | None = None
+    forward: AllGather
+    backward: AllGather
+    forward_frozen: AllGather
+    backward_frozen: AllGather
+    hpz: AllGather | None = None
 
     @staticmethod
-    def plain(comm: Comm) -> "Stage3Collectives":
+    def plain(comm: AllGather) -> "Stage3Collectives":
         return Stage3Collectives(comm, comm, comm, comm)
 
 
@@ -183,41 +184,32 @@ class Stage3Runtime:
             self._start(unit)
         if unit.state is UnitState.GATHERING:
             hpz = self.collectives.hpz
-            for bucket, full, handle in unit.pending:
-                handle.wait()
-                bucket.bind(full)
+            for bucket in unit.buckets:
+                full = bucket.finish_gather()
                 if hpz is not None and bucket.secondary is None:
                     bucket.keep_secondary(full, hpz.rank, hpz.world_size)
-            unit.pending = []
             unit.move(UnitState.GATHERED)
 
     def _start(self, unit: Unit) -> None:
         what = f"unit '{unit.label}' ({self.phase.value})"
-        for bucket in unit.buckets:
-            full = bucket.new_full()
-            unit.pending.append((bucket, full, self._gather_into(full, bucket, what)))
-        unit.move(UnitState.GATHERING)
-
-    def _gather_into(self, full: torch.Tensor, bucket: UnitBucket, what: str) -> Handle:
         c = self.collectives
-        # hpZ: any later gather of this pass (backward, a prefetch for backward issued at the end
-        # of forward, a reused unit) comes from the secondaries, inside the node
-        if c.hpz is not None and bucket.secondary is not None:
-            return c.hpz.all_gather(full, bucket.secondary, what=what + " [hpZ secondary]")
         backward = self.phase is Phase.BACKWARD
-        trainable = bucket.params[0].requires_grad
-        collective = (c.backward if trainable else c.backward_frozen) if backward else \
-            (c.forward if trainable else c.forward_frozen)
-        return collective.all_gather(full, bucket.gather_input(), what=what)
+        for bucket in unit.buckets:
+            # hpZ: any later gather of this pass (backward, a prefetch for backward issued at the end
+            # of forward, a reused unit) comes from the secondaries, inside the node
+            if c.hpz is not None and bucket.secondary is not None:
+                bucket.start_gather(c.hpz, what + " [hpZ secondary]", source=bucket.secondary)
+                continue
+            trainable = bucket.params[0].requires_grad
+            collective = (c.backward if trainable else c.backward_frozen) if backward else \
+                (c.forward if trainable else c.forward_frozen)
+            bucket.start_gather(collective, what)
+        unit.move(UnitState.GATHERING)
 
     def _release(self, unit: Unit) -> None:
         if unit.state is UnitState.RELEASED or unit.index in self._pinned:
             return
-        if unit.state is UnitState.GATHERING:  # a prefetch nobody used: finish it, then drop it
-            for _, _, handle in unit.pending:
-                handle.wait()
-            unit.pending = []
-        for bucket in unit.buckets:
+        for bucket in unit.buckets:  # a prefetch nobody used is finished by the bucket, then dropped
             bucket.release()
         unit.move(UnitState.RELEASED)
 

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.stages.assembly import ALIGN_BYTES, ModelParts, broadcast_model, take_masters_and_cast
+from zeroshard.stages.assembly import ModelParts, broadcast_model, take_masters_and_cast
 from zeroshard.partition.param_shards import forget, materialize
 from zeroshard.comm import Comm, QuantizedAllGather
 from zeroshard.offload import make_tier
 from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
 from zeroshard.partition.buffer_pool import BufferPool
+from zeroshard.partition.layout import alignment_for
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import ConfigError, OffloadDevice, Settings
 from zeroshard.stages.stage3 import Stage3Collectives, Stage3Runtime, Unit
@@ -39,7 +40,7 @@ class Stage3Parts:
 def _layouts(params, names, group_of, bucket_numel, shards, dtype):
     infos = [ParamInfo(names[id(p)], tuple(p.shape), str(dtype), group_of.get(id(p), 0)) for p in params]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return plan_buckets(infos, bucket_numel, shards, alignment=max(1, ALIGN_BYTES // itemsize))
+    return plan_buckets(infos, bucket_numel, shards, alignment=alignment_for(itemsize))
 
 
 def _full_values(model: nn.Module, params: list[nn.Parameter], comm: Comm, device: torch.device) -> bool:
@@ -92,7 +93,7 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
         param_tier.prepare(need + 4096 * 2 * len(plan.units), comm.topology.local_world_size, memory)
         param_files = (param_tier.folder, need + 4096 * 2 * len(plan.units))
     if masters_to is not None:  # and the masters' (with the parameters' when on the same disk)
-        masters_to.prepare(_shard_sizes_estimate(plan, world, max(1, ALIGN_BYTES // 4)), param_files)
+        masters_to.prepare(_shard_sizes_estimate(plan, world, alignment_for(4)), param_files)
     keep = (lambda ms: ms) if masters_to is None else (lambda ms: [m if m is None else masters_to(m) for m in ms])
     trainable: list[FlatBucket] = []
     masters: list[torch.Tensor] = []

@@ -32,10 +32,8 @@ def full_state_dict(ts: TrainState, sharded: bool) -> dict[str, torch.Tensor]:
     for bucket, full in full_fp32_buckets(ts.buckets, masters, ts.comm, sharded):
         full_of[id(bucket)] = full.cpu()
     for bucket in ts.frozen_buckets:
-        full = bucket.new_full()
-        ts.comm.all_gather(full, bucket.gather_input(), what=f"full state dict, frozen unit '{bucket.name}'").wait()
-        full_of[id(bucket)] = full.float().cpu()
-        bucket.memory.release("params", f"{bucket.key}.full")
+        with bucket.whole(ts.comm, f"full state dict, frozen unit '{bucket.name}'") as full:
+            full_of[id(bucket)] = full.float().cpu()
     out: dict[str, torch.Tensor] = {}
     for name, t in ts.module.state_dict(keep_vars=True).items():
         if id(t) in where or id(t) in frozen:
