@@ -485,3 +485,48 @@ def test_peak_memory_of_a_load(tmp_path):
           f"{beyond / 2**20:.1f} MiB beyond the final state (+{states / 2**20:.1f} MiB of Adam states); bound "
           f"{(partition + tensor) / 2**20:.1f} + 8 MiB (partition {partition / 2**20:.1f}, tensor {tensor / 2**20:.1f})")
     assert beyond <= partition + tensor + (8 << 20)
+
+
+# -- the fixtures are still what DeepSpeed writes ----------------------------------------------------
+def _deepspeed_python() -> str | None:
+    """A Python that can import DeepSpeed: the separate venv /work/dsvenv (the test
+    environment itself must not have it), or this one if it does."""
+    venv = os.environ.get("ZEROSHARD_DEEPSPEED_PYTHON", "/work/dsvenv/bin/python")
+    if os.path.isfile(venv):
+        return venv
+    if importlib.util.find_spec("deepspeed") is not None:
+        return sys.executable
+    return None
+
+
+@pytest.mark.slow
+def test_fixtures_regenerate_with_deepspeed(tmp_path):
+    """make_fixtures.py run again with the installed DeepSpeed writes the same layout and
+    DeepSpeed trains the same numbers: every tensor in the new folders reads back as the
+    stored fixtures' do (1e-6 relative), and the recorded losses agree."""
+    import subprocess
+
+    from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint
+
+    python = _deepspeed_python()
+    if python is None:
+        pytest.skip("DeepSpeed is not installed (neither /work/dsvenv nor an importable deepspeed)")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([python, os.path.join(FIX, "make_fixtures.py"), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case in CASES:
+        new = json.loads((tmp_path / f"{case}.json").read_text())
+        old = record(case)
+        assert new["losses_before_save"] == pytest.approx(old["losses_before_save"], rel=1e-6)
+        assert new["losses_after_resume"] == pytest.approx(old["losses_after_resume"], rel=1e-6)
+        assert sorted(os.listdir(tmp_path / case / "global_step3")) == sorted(os.listdir(os.path.join(FIX, case, "global_step3")))
+        fresh, stored = DeepSpeedCheckpoint(str(tmp_path / case)), DeepSpeedCheckpoint(os.path.join(FIX, case))
+        assert fresh.meta["names"] == stored.meta["names"] and fresh.tensors == stored.tensors
+        for name in stored.meta["names"]:
+            fields = ["value", "optim.exp_avg", "optim.exp_avg_sq"] if stored.tensors[name]["trainable"] else ["value"]
+            for field in fields:
+                torch.testing.assert_close(fresh.read(name, field).float(), stored.read(name, field).float(),
+                                           rtol=1e-6, atol=1e-9)
+        for name, e in new["saved"].items():  # and DeepSpeed's own view of what it saved matches the files
+            assert torch.equal(fresh.read(name), torch.tensor(e["value"]))
