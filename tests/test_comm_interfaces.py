@@ -97,3 +97,34 @@ def test_quantization_constants_have_one_home():
 def test_comm_files_stay_short():
     for path in (SRC / "comm").glob("*.py"):
         assert len(path.read_text().splitlines()) <= 400, path
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def wait(self, **kwargs) -> bool:
+        self.calls.append(kwargs)
+        return True
+
+
+def _wait_kwargs(comm: Comm, backend: str, cuda: bool, monkeypatch) -> dict:
+    import dataclasses
+
+    from zeroshard.comm import Handle
+
+    comm.topology = dataclasses.replace(comm.topology, backend=backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    work = _Work()
+    Handle(comm, work, "test", comm.ledger.record("all_reduce", torch.float32, 1, 1, comm.scope), 0.0).wait()
+    return work.calls[0]
+
+
+def test_the_host_blocks_with_a_timeout_except_on_nccl_with_cuda(monkeypatch):
+    """gloo (and NCCL named without a GPU) wait with comm_timeout_s as before; NCCL on a CUDA
+    machine waits without one (stream-ordered: the host does not block on the GPU)."""
+    comm = _comm()
+    assert "timeout" in _wait_kwargs(comm, "gloo", False, monkeypatch)
+    assert "timeout" in _wait_kwargs(comm, "gloo", True, monkeypatch)
+    assert "timeout" in _wait_kwargs(comm, "nccl", False, monkeypatch)
+    assert _wait_kwargs(comm, "nccl", True, monkeypatch) == {}
