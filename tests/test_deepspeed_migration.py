@@ -42,7 +42,7 @@ def _common():
 
 
 common = _common()
-CASES = [common.case_name(s, d) for s in common.STAGES for d in common.DTYPES]
+CASES = [common.case_name(*c) for c in common.CASES]
 
 FP32_REL = 1e-5
 # bf16: both systems step the same fp32 masters from bf16 forward/backward passes, but round
