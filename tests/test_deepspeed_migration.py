@@ -88,8 +88,8 @@ def _resume_dropin(rank: int, world: int, cases: list[str]) -> dict:
     out = {}
     for case in cases:
         rec = record(case)
-        model = common.make_model(seed=common.SEED + 7)  # other weights: the load must set them all
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        model = common.make_model(seed=common.SEED + 7, frozen=bool(rec.get("frozen")))  # the load must set them all
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=common.trainable(model),
                                                config=json.loads(json.dumps(rec["config"])))
         path, client = engine.load_checkpoint(os.path.join(FIX, case))
         loaded = _masters(engine)
@@ -119,10 +119,15 @@ def _check_trajectory(case: str, got: dict) -> tuple[float, float]:
 
 
 def _check_loaded(case: str, loaded: dict) -> None:
-    """The masters right after the load are exactly the ones DeepSpeed saved."""
+    """The masters right after the load are exactly the ones DeepSpeed saved, and frozen
+    parameters are the values they were frozen at (in the compute dtype)."""
     rec = record(case)
     for name, e in rec["saved"].items():
         assert torch.equal(loaded[name].flatten(), torch.tensor(e["value"])), (case, name)
+    dtype = torch.bfloat16 if rec["dtype"] == "bf16" else torch.float32
+    initial = dict(common.make_model(frozen=True).named_parameters())
+    for name in rec.get("frozen", []):
+        assert torch.equal(loaded[name], initial[name].detach().to(dtype).float()), (case, name)
 
 
 def test_resume_matches_deepspeed_on_two_ranks():
@@ -159,7 +164,7 @@ def _resume_native(rank: int, world: int, plan: list[tuple[str, int]], tmp: str)
 
     out = {}
     for case, stage, *src in plan:
-        model = common.make_model(seed=common.SEED + 7)
+        model = common.make_model(seed=common.SEED + 7, frozen=bool(record(case).get("frozen")))
         engine = zeroshard.initialize(model, _config(case, stage, world))
         client = engine.load_checkpoint(src[0] if src else os.path.join(FIX, case))
         loaded = _masters(engine)
@@ -190,8 +195,8 @@ def _check_reshard(results: list[dict], plan: list[tuple[str, int]]) -> dict:
     return report
 
 
-RESHARD_1 = [("stage1_fp32", 0), ("stage3_fp32", 2), ("stage2_bf16", 3)]
-RESHARD_3 = [("stage1_fp32", 3), ("stage3_fp32", 1), ("stage3_bf16", 2)]
+RESHARD_1 = [("stage1_fp32", 0), ("stage3_fp32", 2), ("stage2_bf16", 3), ("stage3_fp32_frozen", 1)]
+RESHARD_3 = [("stage1_fp32", 3), ("stage3_fp32", 1), ("stage3_bf16", 2), ("stage2_bf16_frozen", 3)]
 
 
 @pytest.mark.parametrize("world, plan", [(1, RESHARD_1), (3, RESHARD_3)])
