@@ -535,3 +535,30 @@ def test_fixtures_regenerate_with_deepspeed(tmp_path):
                                            rtol=1e-6, atol=1e-9)
         for name, e in new["saved"].items():  # and DeepSpeed's own view of what it saved matches the files
             assert torch.equal(fresh.read(name), torch.tensor(e["value"]))
+
+
+def test_fp16_loss_scale_carries_over():
+    """DeepSpeed's CPU accelerator cannot train fp16, so there is no fp16 fixture: this checks
+    the translation of a DynamicLossScaler's attributes (names from DeepSpeed 0.18's
+    runtime/fp16/loss_scaler.py: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis) into
+    zeroshard's dynamic scaler, as the loader applies it."""
+    from types import SimpleNamespace
+
+    from zeroshard.checkpoint.deepspeed_reader import resume
+    from zeroshard.checkpoint.deepspeed_reader.safe_load import ALLOWED, _RECORDS
+    from zeroshard.checkpoint.deepspeed_reader.reader import _scaler_fields
+    from zeroshard.optim.loss_scaler import DynamicLossScaler
+
+    record_cls = _RECORDS["deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"]
+    assert "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" in ALLOWED
+    ds = record_cls.__new__(record_cls)
+    ds.__setstate__({"cur_scale": 2048.0, "cur_iter": 17, "last_overflow_iter": 9, "scale_factor": 2.0,
+                     "scale_window": 4, "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 1,
+                     "consecutive_hysteresis": False, "raise_error_at_min_scale": True, "dynamic": True,
+                     "dtype": torch.float16})
+    reader = SimpleNamespace(meta={"loss_scaler": _scaler_fields(ds), "skipped_steps": 3})
+    ts = SimpleNamespace(loss_scaler=DynamicLossScaler(initial_scale=2.0**16, loss_scale_window=4, hysteresis=2))
+    resume._load_scaler(reader, ts)
+    state = ts.loss_scaler.state_dict()
+    assert (state["scale"], state["iteration"], state["last_overflow_iteration"], state["hysteresis_left"],
+            state["skipped_steps"]) == (2048.0, 17, 9, 1, 3)
