@@ -308,6 +308,15 @@ def test_one_clear_error_each(tmp_path):
             DeepSpeedCheckpoint(root).verify()
         assert victim in str(err.value)
 
+    other = _copy("stage1_bf16", tmp_path / "nvme")
+    os.makedirs(os.path.join(other, "global_step3", "offloaded_tensors", "rank00"))
+    with pytest.raises(CheckpointError, match="offloaded_tensors: optimizer states DeepSpeed offloaded to NVMe"):
+        DeepSpeedCheckpoint(other)
+    other = _copy("stage1_bf16", tmp_path / "moe")
+    open(os.path.join(other, "global_step3", "layer_0_expert_1_mp_rank_00_model_states.pt"), "wb").close()
+    with pytest.raises(CheckpointError, match="mixture-of-experts and pipeline-parallel"):
+        DeepSpeedCheckpoint(other)
+
     results = run_ranks(_engine_error, 1, os.path.join(FIX, "stage2_fp32"), 2, "other", timeout=300)
     assert results[0].startswith("CheckpointError: ") and "does not match the model" in results[0], results[0]
     assert "fc1.weight" in results[0] and "\n" not in results[0]

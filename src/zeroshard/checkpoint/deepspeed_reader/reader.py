@@ -29,6 +29,7 @@ from zeroshard.policies import CheckpointError
 
 FORMAT = "deepspeed"
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_UNSUPPORTED = re.compile(r"^(layer_\d+[-_]|expert_\d+_|expp_rank_\d+_)")
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
 
 # keys DeepSpeed itself writes in the model-states file; every other key is the client's
@@ -117,7 +118,17 @@ class DeepSpeedCheckpoint:
     # -- files ------------------------------------------------------------------------------------
     def _scan(self) -> None:
         models, optims, prefixes = {}, {}, set()
-        for name in sorted(os.listdir(self.dir)):
+        names = sorted(os.listdir(self.dir))
+        if "offloaded_tensors" in names:
+            raise CheckpointError(f"{os.path.join(self.dir, 'offloaded_tensors')}: optimizer states DeepSpeed offloaded "
+                                  "to NVMe are not read yet; only checkpoints whose states are in the "
+                                  "*_optim_states.pt files load (offload to the CPU is fine)")
+        for name in names:
+            if _UNSUPPORTED.match(name):
+                raise CheckpointError(f"{os.path.join(self.dir, name)}: mixture-of-experts and pipeline-parallel "
+                                      "DeepSpeed checkpoints (files like this one) are not read; only data parallel "
+                                      "ZeRO checkpoints are")
+        for name in names:
             m = _MODEL.match(name)
             if m:
                 if int(m.group(2)) != 0:
@@ -131,6 +142,9 @@ class DeepSpeedCheckpoint:
                                           "(mp_rank > 0) are not supported; only data parallel ZeRO checkpoints are")
                 optims[int(m.group(2))] = name
                 prefixes.add(m.group(1) or "")
+        if not optims and os.path.isdir(os.path.join(self.dir, "zero")):
+            raise CheckpointError(f"{self.dir}: a DeepSpeed universal checkpoint (made by ds_to_universal) is not read "
+                                  "yet; load the checkpoint it was made from, which loads on any world size already")
         if 0 not in models:
             raise CheckpointError(f"{self.dir}: missing rank file mp_rank_00_model_states.pt (or "
                                   "zero_pp_rank_0_mp_rank_00_model_states.pt): the checkpoint is incomplete")
