@@ -25,8 +25,8 @@ def placeholder(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -
     """A stand-in for a tensor whose values live elsewhere (a released stage-3 parameter, a
     shard in a file): its true shape over one element of storage, NaN for floats so that an
     accidental read shows, and an in-place write raises."""
-    fill = float("nan") if dtype.is_floating_point else 0
-    return torch.full((), fill, dtype=dtype, device=device).expand(tuple(shape))
+    one = torch.full((), float("nan") if dtype.is_floating_point else 0, dtype=dtype, device=device)
+    return one.expand(tuple(shape)) if len(shape) else one
 
 
 class FlatBucket:
