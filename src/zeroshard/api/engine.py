@@ -181,7 +181,7 @@ class Engine(EngineSurface):
         self.loss_scaler.update(overflow)
         self.grads.zero_grads()
         self._window_open = False
-        self.heap_trim()  # free heap pages back to the system (partition/heap_trim.py)
+        self.heap_trim()  # free heap pages back to the system (partition/malloc_trim.py)
         self.global_steps += 1
         self.micro_steps += 1
         self._timers["step"] += time.perf_counter() - started
