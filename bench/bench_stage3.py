@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import os
 import platform
 import statistics
@@ -57,7 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also in the sp
 
 from bench_stages import (  # noqa: E402  (shared helpers of the stage 0/1/2 bench, imported as they are)
     BETAS, EPS, LOAD_LIMIT, LR, WEIGHT_DECAY, Result, _mib, _model,
-    _source_version, _time_loop, clean, median_step, other_load, spawn_ranks, wait_for_quiet, add_common_arguments, parse_common,
+    _source_version, _time_loop, clean, median_step, other_load, spawn_ranks, time_zeroshard, wait_for_quiet,
+    zeroshard_config, add_common_arguments, parse_common,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -237,56 +237,20 @@ def stage3_knobs(args, block_numel: int) -> dict[str, int]:
 
 
 def run_zs3(rank: int, world: int, args) -> dict[str, Any]:
-    import zeroshard
-    from zeroshard.comm.ledger import PAPER_FACTOR
-
-    if not args.verbose:
-        zlog = logging.getLogger("zeroshard")
-        zlog.addHandler(logging.NullHandler())
-        zlog.setLevel(logging.WARNING)
     model = _model(args)
     block_numel = sum(p.numel() for p in model.h[0].parameters())
     knobs = stage3_knobs(args, block_numel)
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                  "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, **knobs},
-        "zeroshard": {"stage3_unit_classes": ["Block"]},
-    }
-    if args.bf16:
-        config["bf16"] = {"enabled": True}
-    nparams = sum(p.numel() for p in model.parameters())
-    engine = zeroshard.initialize(model, config)
-
-    state = {"n": 0}
-
-    def step():
-        engine.step()
-        state["n"] += 1
-        if state["n"] == args.warmup:
-            engine.reset_comm_stats()
-
-    if args.warmup == 0:
-        engine.reset_comm_stats()
-    out = _time_loop(args, rank, world, lambda: None, lambda x, y: engine(x, y)[1], engine.backward, step)
-    mem = engine.memory_stats()
-    comm = engine.comm_stats()
-    paper = sum(PAPER_FACTOR[op] * s["elements"] for op, s in comm.items())
+    config = zeroshard_config(args, {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, **knobs})
+    config["zeroshard"] = {"stage3_unit_classes": ["Block"]}
+    out, mem = time_zeroshard(rank, world, args, model, config)
     out.update(
-        params=nparams,
         model_state_bytes=mem["peak_model_states"],  # params + grads + optimizer states at one moment
         rest_bytes=mem["params"] + mem["grads"] + mem["optimizer_states"],
         buffer_bytes=mem["peak_comm_buffers"],
         breakdown={k: mem[f"peak_{k}"] for k in ("params", "grads", "optimizer_states", "comm_buffers")}
         | {f"rest {k}": mem[k] for k in ("params", "grads", "optimizer_states")},
-        comm_per_step=paper / max(1, args.steps) / nparams,
-        comm_detail={op: {k: s[k] for k in ("calls", "elements", "seconds")} for op, s in comm.items() if s["calls"]},
         note=", ".join(f"{k.removeprefix('stage3_')}={v:,}" for k, v in knobs.items()),
     )
-    engine.close()
     return out
 
 

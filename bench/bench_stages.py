@@ -225,9 +225,24 @@ def run_baseline(rank: int, world: int, args, variant: Variant) -> dict[str, Any
     return out
 
 
-def run_zeroshard(rank: int, world: int, args, variant: Variant) -> dict[str, Any]:
-    import torch
+def zeroshard_config(args, zero: dict[str, Any]) -> dict[str, Any]:
+    """What both benches give zeroshard: the shared AdamW, `zero` as zero_optimization, bf16 if asked."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                  "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": zero,
+    }
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    return config
 
+
+def time_zeroshard(rank: int, world: int, args, model, config: dict[str, Any]):
+    """initialize() over `model`, the timed loop (the comm ledger counts from the first measured
+    step); (the loop's figures with params, comm_per_step and comm_detail; memory_stats())."""
     import zeroshard
     from zeroshard.comm.ledger import PAPER_FACTOR
 
@@ -235,26 +250,8 @@ def run_zeroshard(rank: int, world: int, args, variant: Variant) -> dict[str, An
         zlog = logging.getLogger("zeroshard")
         zlog.addHandler(logging.NullHandler())
         zlog.setLevel(logging.WARNING)
-    itemsize = 2 if args.bf16 else 4
-    bucket = variant.bucket or BUCKET_MB * 2**20 // itemsize
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                  "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {"stage": variant.stage, "reduce_bucket_size": bucket,
-                              "allgather_bucket_size": bucket, "overlap_comm": True,
-                              "contiguous_gradients": True},
-    }
-    if args.bf16:
-        config["bf16"] = {"enabled": True}
-    engine = zeroshard.initialize(_model(args), config)
-    nparams = sum(p.numel() for p in engine.module.parameters())
-
-    def forward(x, y):
-        return engine(x, y)[1]
-
+    nparams = sum(p.numel() for p in model.parameters())
+    engine = zeroshard.initialize(model, config)
     state = {"n": 0}
 
     def step():
@@ -265,19 +262,30 @@ def run_zeroshard(rank: int, world: int, args, variant: Variant) -> dict[str, An
 
     if args.warmup == 0:
         engine.reset_comm_stats()
-    out = _time_loop(args, rank, world, lambda: None, forward, engine.backward, step)
+    out = _time_loop(args, rank, world, lambda: None, lambda x, y: engine(x, y)[1], engine.backward, step)
     mem = engine.memory_stats()
     comm = engine.comm_stats()
     paper = sum(PAPER_FACTOR[op] * s["elements"] for op, s in comm.items())
     out.update(
-        params=nparams,
-        model_state_bytes=mem["peak_params"] + mem["peak_grads"] + mem["peak_optimizer_states"],
-        buffer_bytes=mem["peak_comm_buffers"],
-        breakdown={k: mem[f"peak_{k}"] for k in ("params", "grads", "optimizer_states", "comm_buffers")},
-        comm_per_step=paper / max(1, args.steps) / nparams,
+        params=nparams, comm_per_step=paper / max(1, args.steps) / nparams,
         comm_detail={op: {k: s[k] for k in ("calls", "elements", "seconds")} for op, s in comm.items() if s["calls"]},
     )
     engine.close()
+    return out, mem
+
+
+def run_zeroshard(rank: int, world: int, args, variant: Variant) -> dict[str, Any]:
+    itemsize = 2 if args.bf16 else 4
+    bucket = variant.bucket or BUCKET_MB * 2**20 // itemsize
+    config = zeroshard_config(args, {"stage": variant.stage, "reduce_bucket_size": bucket,
+                                     "allgather_bucket_size": bucket, "overlap_comm": True,
+                                     "contiguous_gradients": True})
+    out, mem = time_zeroshard(rank, world, args, _model(args), config)
+    out.update(
+        model_state_bytes=mem["peak_params"] + mem["peak_grads"] + mem["peak_optimizer_states"],
+        buffer_bytes=mem["peak_comm_buffers"],
+        breakdown={k: mem[f"peak_{k}"] for k in ("params", "grads", "optimizer_states", "comm_buffers")},
+    )
     return out
 
 
