@@ -51,8 +51,9 @@ def run(args) -> int:
               f"(model states {gib(w.memory.model_states)}, activations {gib(w.memory.activations)}), "
               f"host {gib(w.memory.host_per_node)} GiB/node; step {t.step:.2f} s = compute {t.compute:.2f} + "
               f"exposed comm {t.comm_exposed:.2f} (of {t.comm_total:.2f}: intra {t.comm_intra:.2f}, inter "
-              f"{t.comm_inter:.2f}) + PCIe {t.pcie:.2f} + CPU optimizer {t.cpu_optimizer:.2f} + NVMe {t.nvme:.2f}; "
-              f"{t.tokens_per_second:,.0f} tokens/s")
+              f"{t.comm_inter:.2f}) + PCIe {t.pcie:.2f} + CPU optimizer {t.cpu_optimizer:.2f} + NVMe {t.nvme:.2f}"
+              + (f" + quantization {t.quantization:.2f}" if t.quantization else "") + "; "
+              + f"{t.tokens_per_second:,.0f} tokens/s")
     if args.out:
         con.print(f"DeepSpeed-style config written to {args.out}")
     else:
