@@ -23,7 +23,8 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["CHANNEL_ENV", "StopRequested", "die_with_parent", "install", "report_error", "report_stop", "set_where", "stop_code"]
+__all__ = ["CHANNEL_ENV", "StopRequested", "die_with_parent", "finishing", "install", "report_error", "report_stop",
+           "set_where", "stop_code"]
 
 CHANNEL_ENV = "ZEROSHARD_CHANNEL"
 GRACE_S = 5.0
@@ -32,6 +33,7 @@ _PR_SET_PDEATHSIG = 1
 
 _where: Callable[[], str] = lambda: ""
 _stopping: list[int] = []
+_finished: list[int] = []  # the exit status, once the script has returned or failed
 _installed = False
 
 
@@ -98,7 +100,21 @@ def die_with_parent() -> None:
             pass
 
 
+def finishing(status: int) -> None:
+    """The script is over (returned, or failed and was reported) and the interpreter is shutting
+    down (torch's exit handlers): a stop signal now ends the process quietly with `status`
+    rather than raising inside those handlers (a traceback for a rank that already said why)."""
+    _finished.append(status)
+
+
 def _on_signal(signum: int, frame) -> None:
+    if _finished:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(_finished[0])
     if _stopping:  # a second signal: the watchdog ends the process
         return
     _stopping.append(signum)

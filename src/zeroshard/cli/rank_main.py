@@ -23,7 +23,12 @@ COMMAND_ENV = "ZEROSHARD_COMMAND"
 
 def main(argv: list[str] | None = None) -> int:
     rank_guard.install()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    status = _run(list(sys.argv[1:] if argv is None else argv))
+    rank_guard.finishing(status)  # a stop signal during the interpreter's shutdown exits quietly
+    return status
+
+
+def _run(argv: list[str]) -> int:
     as_module = argv[:1] == ["-m"]
     if as_module:
         argv = argv[1:]
