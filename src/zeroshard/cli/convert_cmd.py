@@ -34,5 +34,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {final} (zeroshard format; `latest` in {args.out} names it)")
     if dropped:
-        print(f"client_state entries left out (not JSON): {', '.join(dropped)}")
+        print(f"left out: {'; '.join(dropped)} (client_state entries that are not JSON are not carried)")
     return 0

@@ -125,7 +125,7 @@ def _scaler_state(r: DeepSpeedCheckpoint) -> dict[str, Any]:
 def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = None) -> tuple[str, list[str]]:
     """Write the DeepSpeed checkpoint at `src` (tag `tag`, default its `latest`) as a zeroshard
     checkpoint under `out` (same tag name; `out/latest` names it). Returns (the new tag
-    directory, the client_state keys left out because they are not JSON)."""
+    directory, what was left out: client_state keys that are not JSON, a client scheduler)."""
     out = os.fspath(out)
     with DeepSpeedCheckpoint(src, tag) as r:
         r.verify()
@@ -140,6 +140,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
             except CheckpointError:
                 dropped.append(k)
         meta_extra = {"lr_scheduler": _scheduler_state(r), "loss_scaler": _scaler_state(r)}
+        if r.meta.get("lr_scheduler") is not None and meta_extra["lr_scheduler"] is None:
+            dropped.append("lr_scheduler (a client scheduler DeepSpeed saved as its state dict: load the DeepSpeed "
+                           "folder itself to keep it)")
         tmp = os.path.join(out, TMP_PREFIX + new_tag)
         final = os.path.join(out, new_tag)
         if os.path.exists(final):
