@@ -576,3 +576,17 @@ def test_fp16_loss_scale_carries_over():
     state = ts.loss_scaler.state_dict()
     assert (state["scale"], state["iteration"], state["last_overflow_iteration"], state["hysteresis_left"],
             state["skipped_steps"]) == (2048.0, 17, 9, 1, 3)
+
+
+def test_finding_the_tag():
+    """A save_dir (through `latest`), a tag argument, or the tag folder itself; a zeroshard
+    checkpoint or a plain folder is not taken for a DeepSpeed one."""
+    from zeroshard.checkpoint.deepspeed_reader import find_deepspeed_tag
+
+    root = os.path.join(FIX, "stage3_bf16")
+    tag = os.path.join(root, "global_step3")
+    assert find_deepspeed_tag(root) == tag
+    assert find_deepspeed_tag(root, "global_step3") == tag
+    assert find_deepspeed_tag(tag) == tag
+    assert find_deepspeed_tag(root, "global_step9") is None
+    assert find_deepspeed_tag(FIX) is None
