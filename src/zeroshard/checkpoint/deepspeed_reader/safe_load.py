@@ -109,7 +109,8 @@ def _explain(path: str, exc: Exception) -> CheckpointError:
         return CheckpointError(
             f"{path}: refused: it holds an object of type {found}, which is not a tensor, a plain container "
             f"or one of the DeepSpeed records zeroshard reads ({', '.join(n.rsplit('.', 1)[1] for n in ALLOWED)}); "
-            "nothing from the file was run. A checkpoint DeepSpeed wrote never holds one: the file was altered")
+            "nothing from the file was run. DeepSpeed itself writes no such object: the training script put it "
+            "in client_state, or the file was altered")
     if isinstance(exc, (EOFError, zipfile.BadZipFile)) or "zip archive" in text or "central directory" in text \
             or "file_size" in text or "truncated" in text.lower() or "unexpected EOF" in text:
         return CheckpointError(f"{path}: truncated or damaged ({text.splitlines()[0] if text else type(exc).__name__}); "
