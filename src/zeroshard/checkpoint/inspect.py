@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from zeroshard.checkpoint.deepspeed_reader import find_deepspeed_tag, summary as deepspeed_summary
-from zeroshard.checkpoint.reader import CheckpointReader
+from zeroshard.checkpoint.deepspeed_reader import find_deepspeed_tag, open_checkpoint, summary as deepspeed_summary
 from zeroshard.policies import CheckpointError
 
 
@@ -15,7 +14,7 @@ def inspect(ckpt_dir: str | os.PathLike, tag: str | None = None, verify: bool = 
     DeepSpeed wrote gets the same report ("format": "deepspeed"; files checked by CRC-32)."""
     if find_deepspeed_tag(ckpt_dir, tag) is not None:
         return deepspeed_summary(ckpt_dir, tag, verify)
-    with CheckpointReader(ckpt_dir, tag) as reader:
+    with open_checkpoint(ckpt_dir, tag) as reader:  # (its error also says it is not a DeepSpeed one)
         meta = reader.meta
         files = []
         for name, info in sorted(meta["files"].items()):
