@@ -36,7 +36,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from zeroshard.comm import Comm, CommLedger, setup_topology
-    from zeroshard.comm.collectives import _AG, _RS  # torch's own, under the name it has in this torch
+    import torch.distributed as dist
+
+    # torch's own collectives, timed beside zeroshard's (a benchmark may call them; src/ may not)
+    _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     topology = setup_topology(120.0)
     comm = Comm(topology, CommLedger(topology.world_size), 120.0)

@@ -751,7 +751,7 @@ def build_system(system, sz, dev):
 def section_zeropp(ctx):
     import torch
 
-    from zeroshard.comm.quantize import dequantize, plan_blocks, quantize
+    from zeroshard.comm import dequantize, plan_blocks, quantize
 
     rows, sz, dev = [], ctx["sz"], the_device(ctx)
     form = f"{ctx['form']} on {dev}"

@@ -52,7 +52,7 @@ class WaitClock:
             t = time.perf_counter()
             original(handle)
             took = time.perf_counter() - t
-            what = handle._what
+            what = handle.what
             kind = what.split("(", 1)[1].split(" ")[0] if "(" in what else what
             clock.seconds[kind] = clock.seconds.get(kind, 0.0) + took
             clock.trace.append((t - clock.start, took, what))
