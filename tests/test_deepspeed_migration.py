@@ -347,7 +347,7 @@ def test_cli_inspect_export_convert(tmp_path, capsys):
         assert torch.equal(weights[name].flatten(), torch.tensor(e["value"]))
 
     plan = []
-    for case, stage in (("stage1_fp32", 3), ("stage3_bf16", 1)):
+    for case, stage in (("stage1_fp32", 3), ("stage3_bf16", 1), ("stage3_fp32_frozen", 2)):
         dst = tmp_path / "zs" / case
         assert main(["convert", os.path.join(FIX, case), str(dst)]) == 0
         assert (dst / "latest").read_text() == "global_step3" and (dst / "global_step3" / "meta.json").is_file()

@@ -167,12 +167,13 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
                         else:
                             one = _step(r, runs, rank, k)
                             states.append(Entry(bucket_key(rec.index, f"optim.{k}"), (), one.dtype, lambda one=one: one))
-                if rank == 0:
+                if rank == 0:  # buffers and frozen parameters, whole, read when written (one at a time)
                     for name, info in r.tensors.items():
                         if not info["trainable"]:
-                            t = r.read(name)
-                            values.append(Entry(module_key(name), tuple(info["shape"]), t.dtype,
-                                                lambda t=t, s=tuple(info["shape"]): t.view(s)))
+                            dtype = getattr(torch, info["dtype"].replace("torch.", ""))
+                            values.append(Entry(module_key(name), tuple(info["shape"]), dtype,
+                                                lambda name=name, s=tuple(info["shape"]), d=dtype:
+                                                r.read(name).to(d).view(s)))
                 for entries, field in ((values, "value"), (states, "optim")):
                     name = rank_file(rank, field)
                     metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(rank)}
