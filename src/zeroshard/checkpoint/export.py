@@ -26,6 +26,7 @@ import torch
 from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.files import Entry, WriteError, write_safetensors, write_small
+from zeroshard.checkpoint.deepspeed_reader import open_checkpoint
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.snapshot import model_config
 from zeroshard.policies import CheckpointError, Stage
@@ -126,7 +127,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
-    with CheckpointReader(ckpt_dir, tag) as reader:
+    with open_checkpoint(ckpt_dir, tag) as reader:  # zeroshard's own, or a folder DeepSpeed wrote
         reader.verify([f for f in reader.files if ".optim." not in f])  # values only: a third of Adam's bytes
         names = reader.meta["names"]
         if exclude_frozen:
