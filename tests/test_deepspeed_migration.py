@@ -560,7 +560,7 @@ def test_fp16_loss_scale_carries_over():
 
     from zeroshard.checkpoint.deepspeed_reader import resume
     from zeroshard.checkpoint.deepspeed_reader.safe_load import ALLOWED, _RECORDS
-    from zeroshard.checkpoint.deepspeed_reader.reader import _scaler_fields
+    from zeroshard.checkpoint.deepspeed_reader.files import scaler_fields as _scaler_fields
     from zeroshard.optim.loss_scaler import DynamicLossScaler
 
     record_cls = _RECORDS["deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"]

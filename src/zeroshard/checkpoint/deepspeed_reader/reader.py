@@ -15,7 +15,6 @@ loading holds at most one DeepSpeed rank's partition beyond what it fills.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import re
@@ -24,57 +23,10 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.deepspeed_reader import layout, safe_load
+from zeroshard.checkpoint.deepspeed_reader.files import MODEL_FILE, OPTIM_FILE, UNSUPPORTED_FILE, find_deepspeed_tag
 from zeroshard.checkpoint.deepspeed_reader.layout import Run
+from zeroshard.checkpoint.deepspeed_reader.meta import describe
 from zeroshard.policies import CheckpointError
-
-FORMAT = "deepspeed"
-_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-_UNSUPPORTED = re.compile(r"^(layer_\d+[-_]|expert_\d+_|expp_rank_\d+_)")
-_OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
-
-# keys DeepSpeed itself writes in the model-states file; every other key is the client's
-_DS_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-    "ds_version", "universal_checkpoint_info", "num_experts", "csr_tensor_module_names",
-})
-ADAM_FAMILY = frozenset({"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "ZenFlowCPUAdam"})
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "initial_lr", "momentum", "dampening",
-          "nesterov")
-
-
-def _has_ds_files(d: str) -> bool:
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return False
-    return any(_MODEL.match(n) or _OPTIM.match(n) for n in names)
-
-
-def find_deepspeed_tag(path: str | os.PathLike, tag: str | None = None) -> str | None:
-    """The tag directory of a DeepSpeed checkpoint at `path` (a save_dir with `latest`, a
-    tag directory itself, or `path/tag`), or None when `path` is not one."""
-    path = os.fspath(path)
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "meta.json")):
-        return None
-    if tag is not None:
-        d = os.path.join(path, str(tag))
-        return d if _has_ds_files(d) else None
-    if _has_ds_files(path):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8", errors="replace") as f:
-            name = f.read().strip()
-        d = os.path.join(path, name)
-        if name and _has_ds_files(d):
-            return d
-    return None
-
-
-def is_deepspeed_checkpoint(path: str | os.PathLike, tag: str | None = None) -> bool:
-    return find_deepspeed_tag(path, tag) is not None
 
 
 def _as_int(v: Any) -> int:
@@ -124,18 +76,18 @@ class DeepSpeedCheckpoint:
                                   "to NVMe are not read yet; only checkpoints whose states are in the "
                                   "*_optim_states.pt files load (offload to the CPU is fine)")
         for name in names:
-            if _UNSUPPORTED.match(name):
+            if UNSUPPORTED_FILE.match(name):
                 raise CheckpointError(f"{os.path.join(self.dir, name)}: mixture-of-experts and pipeline-parallel "
                                       "DeepSpeed checkpoints (files like this one) are not read; only data parallel "
                                       "ZeRO checkpoints are")
         for name in names:
-            m = _MODEL.match(name)
+            m = MODEL_FILE.match(name)
             if m:
                 if int(m.group(2)) != 0:
                     raise CheckpointError(f"{os.path.join(self.dir, name)}: model (tensor) parallel checkpoints "
                                           "(mp_rank > 0) are not supported; only data parallel ZeRO checkpoints are")
                 models[int(m.group(1) or 0)] = name
-            m = _OPTIM.match(name)
+            m = OPTIM_FILE.match(name)
             if m:
                 if int(m.group(3)) != 0:
                     raise CheckpointError(f"{os.path.join(self.dir, name)}: model (tensor) parallel checkpoints "
@@ -150,16 +102,16 @@ class DeepSpeedCheckpoint:
                                   "zero_pp_rank_0_mp_rank_00_model_states.pt): the checkpoint is incomplete")
         self.model_files, self.optim_files = models, optims
 
-    def _path(self, name: str) -> str:
+    def path_of(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
     def _load_model_file(self, rank: int) -> dict[str, Any]:
         if rank not in self.model_files:
-            raise CheckpointError(f"{self._path(f'zero_pp_rank_{rank}_mp_rank_00_model_states.pt')}: missing rank file "
+            raise CheckpointError(f"{self.path_of(f'zero_pp_rank_{rank}_mp_rank_00_model_states.pt')}: missing rank file "
                                   f"(written by rank {rank} of {self.world_size}); the checkpoint is incomplete")
-        sd = safe_load.load(self._path(self.model_files[rank]))
+        sd = safe_load.load(self.path_of(self.model_files[rank]))
         if not isinstance(sd, dict) or "module" not in sd:
-            raise CheckpointError(f"{self._path(self.model_files[rank])}: not a DeepSpeed model-states file "
+            raise CheckpointError(f"{self.path_of(self.model_files[rank])}: not a DeepSpeed model-states file "
                                   "(no 'module' entry)")
         return sd
 
@@ -167,9 +119,9 @@ class DeepSpeedCheckpoint:
         if rank not in self.optim_files:
             prefix = next(iter(self.optim_files.values()), "zero_pp_rank_0_mp_rank_00_optim_states.pt")
             name = re.sub(r"zero_pp_rank_\d+_", f"zero_pp_rank_{rank}_", prefix)
-            raise CheckpointError(f"{self._path(name)}: missing rank file (written by rank {rank} of "
+            raise CheckpointError(f"{self.path_of(name)}: missing rank file (written by rank {rank} of "
                                   f"{self.world_size}); the checkpoint is incomplete")
-        return self._path(self.optim_files[rank])
+        return self.path_of(self.optim_files[rank])
 
     def _optim(self, rank: int) -> dict[str, Any]:
         """Rank `rank`'s `optimizer_state_dict`; only one rank's file is open at a time."""
@@ -186,7 +138,7 @@ class DeepSpeedCheckpoint:
     # -- the description ------------------------------------------------------------------------------
     def _build_meta(self) -> None:
         sd = self._model
-        model_path = self._path(self.model_files[0])
+        model_path = self.path_of(self.model_files[0])
         cfg = sd.get("ds_config") if isinstance(sd.get("ds_config"), dict) else {}
         self.config = cfg
         self.world_size = int(sd.get("dp_world_size") or len(self.optim_files) or 1)
@@ -248,7 +200,7 @@ class DeepSpeedCheckpoint:
         self.where: dict[str, list[Run]] = {}
         self._group_of: dict[str, int] = {}
         self._map_partitions(first)
-        self.meta = self._describe(sd, names, first)
+        self.meta = describe(self, sd, names, first)
 
     def _map_partitions(self, first: dict[str, Any]) -> None:
         world = self.world_size
@@ -256,7 +208,7 @@ class DeepSpeedCheckpoint:
             sizes = [t.numel() for t in first.get("fp32_flat_groups", [])]
             flat = [(n, s) for g in self.groups for n, s in g]
             runs = layout.stage3_runs([_numel(s) for _, s in flat], world, sizes)
-            _, param_groups, _ = self._base_state(first)
+            _, param_groups, _ = self.base_state(first)
             group_of_flat = {int(i): gi for gi, g in enumerate(param_groups) for i in g.get("params", [])}
             for (name, _), r in zip(flat, runs):
                 self.where[name] = r
@@ -291,7 +243,7 @@ class DeepSpeedCheckpoint:
                 self._group_of[name] = i
         self._flat_key = key
 
-    def _base_state(self, opt: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], list[dict], Any]:
+    def base_state(self, opt: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], list[dict], Any]:
         """(per flat tensor: its optimizer state, param groups, a shared step or None)."""
         if self.stage == 3:
             base = opt.get("optimizer_state_dict") or {}
@@ -302,53 +254,6 @@ class DeepSpeedCheckpoint:
         if isinstance(base, list):  # elastic: padding-free states, one step
             return dict(enumerate(base)), [], opt.get("base_optimizer_state_step")
         return {}, [], None
-
-    def _describe(self, sd: dict[str, Any], names: list[str], first: dict[str, Any]) -> dict[str, Any]:
-        state, param_groups, _ = self._base_state(first)
-        kinds: dict[str, str] = {}
-        for s in state.values():
-            for k, v in s.items():
-                kinds[k] = "elementwise" if torch.is_tensor(v) and v.dim() > 0 else "scalar"
-        cfg = self.config
-        opt_cfg = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), dict) else None
-        opt_class = None
-        if opt_cfg:
-            kind = str(opt_cfg.get("type", "")).lower()
-            params = opt_cfg.get("params") or {}
-            if kind in ("adam", "adamw"):
-                opt_class = "AdamW" if kind == "adamw" or params.get("adam_w_mode", True) else "Adam"
-            else:
-                opt_class = str(opt_cfg.get("type"))
-        elif kinds.keys() >= {"exp_avg", "exp_avg_sq"}:
-            opt_class = "Adam"  # a client optimizer: its class is not recorded, its states are Adam's
-        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k in _HYPER}
-                  for g in param_groups]
-        gas = int(cfg.get("gradient_accumulation_steps") or 1) if isinstance(cfg, dict) else 1
-        global_steps = int(sd.get("global_steps") or 0)
-        sched = sd.get("lr_scheduler")
-        sched_cfg = cfg.get("scheduler") if isinstance(cfg.get("scheduler"), dict) else None
-        scaler = first.get("loss_scaler")
-        client = {k: v for k, v in sd.items() if k not in _DS_KEYS}
-        files = {}
-        for r, name in sorted(self.optim_files.items()):
-            files[name] = {"rank": r, "bytes": os.path.getsize(self._path(name)), "sha256": None}
-        for r, name in sorted(self.model_files.items()):
-            files[name] = {"rank": r, "bytes": os.path.getsize(self._path(name)), "sha256": None}
-        return {
-            "format": FORMAT, "tag": os.path.basename(os.path.normpath(self.dir)),
-            "deepspeed_version": str(sd.get("ds_version")), "world_size": self.world_size, "stage": self.stage,
-            "compute_dtype": str(self.compute_dtype),
-            "global_steps": global_steps, "micro_steps": global_steps * gas,
-            "skipped_steps": int(sd.get("skipped_steps") or 0),
-            "global_samples": sd.get("global_samples"),
-            "names": names, "tensors": self.tensors, "tied": self.tied,
-            "optimizer": {"class": opt_class, "states": kinds, "param_groups": groups},
-            "lr_scheduler": None if sched is None else {
-                "class": (sched_cfg or {}).get("type"), "state": sched},
-            "loss_scaler": _scaler_fields(scaler),
-            "config": cfg, "client_state": client, "files": files, "rng": [],
-            "model_class": None, "model_config": None,
-        }
 
     # -- the CheckpointReader interface ------------------------------------------------------------
     @property
@@ -364,7 +269,7 @@ class DeepSpeedCheckpoint:
     def verify(self, names: list[str] | None = None) -> None:
         """Each file (all, or `names`) complete: every zip record present with its CRC-32 right."""
         for name in self.files if names is None else names:
-            safe_load.check_complete(self._path(name))
+            safe_load.check_complete(self.path_of(name))
 
     def read(self, name: str, field: str = "value", lo: int = 0, hi: int | None = None) -> torch.Tensor:
         name = self.canonical(name)
@@ -403,7 +308,7 @@ class DeepSpeedCheckpoint:
             if not isinstance(tensors, list) or flat >= len(tensors):
                 raise CheckpointError(f"{self._optim_file(rank)}: no {self._flat_key}[{flat}]")
             return tensors[flat]
-        state, _, _ = self._base_state(opt)
+        state, _, _ = self.base_state(opt)
         entry = state.get(flat) if isinstance(state, dict) else None
         if entry is None or key not in entry or not torch.is_tensor(entry[key]):
             raise CheckpointError(f"{self._optim_file(rank)}: no optimizer state {key!r} for flat group {flat}")
@@ -421,14 +326,14 @@ class DeepSpeedCheckpoint:
                 if a < b:
                     frag = self._model_file(r).get("frozen_param_fragments", {}).get(name)
                     if frag is None:
-                        raise CheckpointError(f"{self._path(self.model_files.get(r, '?'))}: no fragment of frozen "
+                        raise CheckpointError(f"{self.path_of(self.model_files.get(r, '?'))}: no fragment of frozen "
                                               f"parameter {name!r}")
                     parts.append(frag.reshape(-1)[a - r * part : b - r * part].clone())
             return torch.cat(parts) if parts else torch.empty(0)
         frags = self._model.get("frozen_param_fragments") or {}
         t = frags.get(name) if name in frags else self._model["module"].get(name)
         if t is None or not torch.is_tensor(t) or t.numel() != self.numel(name):
-            raise CheckpointError(f"{self._path(self.model_files[0])}: no saved value of {name!r}")
+            raise CheckpointError(f"{self.path_of(self.model_files[0])}: no saved value of {name!r}")
         return t.reshape(-1)[lo:hi].clone()
 
     def _model_file(self, rank: int) -> dict[str, Any]:
@@ -446,7 +351,7 @@ class DeepSpeedCheckpoint:
 
     def _scalar(self, rank: int, flat: int, key: str) -> torch.Tensor:
         opt = self._optim(rank)
-        state, _, shared = self._base_state(opt)
+        state, _, shared = self.base_state(opt)
         value = (state.get(flat) or {}).get(key, shared if key == "step" else None)
         if value is None:
             raise CheckpointError(f"{self._optim_file(rank)}: no optimizer state {key!r} for flat group {flat}")
@@ -471,71 +376,3 @@ class DeepSpeedCheckpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _scaler_fields(scaler: Any) -> dict[str, Any] | None:
-    """DeepSpeed's LossScaler / DynamicLossScaler attributes, as plain values."""
-    if scaler is None:
-        return None
-    if isinstance(scaler, safe_load.Record):
-        fields = {k: (v.item() if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in scaler.fields.items()
-                  if isinstance(v, (int, float, bool, str)) or (torch.is_tensor(v) and v.numel() == 1)}
-        fields["class"] = scaler.type_name.rsplit(".", 1)[1]
-        return fields
-    if isinstance(scaler, (int, float)):
-        return {"class": "LossScaler", "cur_scale": float(scaler)}
-    return None
-
-
-def open_checkpoint(path: str | os.PathLike, tag: str | None = None):
-    """A reader of the checkpoint at `path`: zeroshard's own (`CheckpointReader`), or one
-    DeepSpeed wrote (`DeepSpeedCheckpoint`)."""
-    if find_deepspeed_tag(path, tag) is not None:
-        return DeepSpeedCheckpoint(path, tag)
-    from zeroshard.checkpoint.reader import CheckpointReader
-
-    try:
-        return CheckpointReader(path, tag)
-    except CheckpointError as exc:
-        if "not a zeroshard checkpoint" not in str(exc):
-            raise
-        raise CheckpointError(f"{exc}; nor is it a checkpoint DeepSpeed wrote (no *_model_states.pt or "
-                              "*_optim_states.pt files there or in the tag 'latest' names)") from None
-
-
-def summary(path: str | os.PathLike, tag: str | None = None, verify: bool = True) -> dict[str, Any]:
-    """`zeroshard inspect`'s report of a DeepSpeed checkpoint (the keys of a zeroshard one's,
-    plus "format" and "deepspeed_version"); each file's check is its zip records' CRC-32."""
-    with DeepSpeedCheckpoint(path, tag) as reader:
-        meta = reader.meta
-        files = []
-        for name, info in sorted(meta["files"].items(), key=lambda kv: (kv[1]["rank"], kv[0])):
-            try:
-                if verify:
-                    reader.verify([name])
-                check = "ok" if verify else "not checked"
-            except CheckpointError as exc:
-                check = str(exc)
-            files.append({"file": name, "rank": info["rank"], "bytes": info["bytes"], "sha256": "", "check": check})
-        buckets = []
-        for i, g in enumerate(reader.groups):
-            numel = sum(_numel(s) for _, s in g)
-            if reader.stage == 3:
-                padded = sum(math.ceil(_numel(s) / reader.world_size) for _, s in g) * reader.world_size
-            else:
-                padded = reader.partition_sizes[i] * reader.world_size
-            buckets.append({"bucket": i, "dtype": str(reader.compute_dtype).replace("torch.", ""), "group": i,
-                            "params": len(g), "numel": numel, "padded_numel": padded, "shards": reader.world_size,
-                            "fields": ["master"] + [f"optim.{k}" for k in meta["optimizer"]["states"]]})
-        total = sum(reader.numel(n) for n in reader.tensors)
-        return {
-            "format": FORMAT, "deepspeed_version": meta["deepspeed_version"],
-            "dir": reader.dir, "tag": meta["tag"], "world_size": meta["world_size"], "stage": meta["stage"],
-            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
-            "compute_dtype": meta["compute_dtype"].replace("torch.", ""),
-            "optimizer": meta["optimizer"]["class"], "optimizer_states": meta["optimizer"]["states"],
-            "lr_scheduler": (meta.get("lr_scheduler") or {}).get("class"),
-            "parameters": total, "trainable_parameters": sum(b["numel"] for b in buckets), "tied": meta["tied"],
-            "buckets": buckets, "files": files, "bytes": sum(f["bytes"] for f in files),
-            "ok": all(f["check"] in ("ok", "not checked") for f in files),
-        }

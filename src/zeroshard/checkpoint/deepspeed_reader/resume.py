@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import warnings
 
-from zeroshard.checkpoint.deepspeed_reader.reader import ADAM_FAMILY, DeepSpeedCheckpoint
+from zeroshard.checkpoint.deepspeed_reader.files import ADAM_FAMILY
+from zeroshard.checkpoint.deepspeed_reader.reader import DeepSpeedCheckpoint
 from zeroshard.policies import CheckpointError
 
 log = logging.getLogger("zeroshard")
