@@ -84,14 +84,16 @@ class SwapPipeline:
         self._states: dict[tuple[int, str], Region] = {}
         self._memory = memory
         self.io_wait_s = 0.0
-        memory.hold("optimizer_states", "nvme_swap_buffers", 0, tier="host")
+        # staging, not model state: with the other I/O buffers (NVMe read-ahead, activation staging),
+        # so the model states and the summary's plain-DP baseline count the states themselves
+        memory.hold("comm_buffers", "nvme_swap_buffers", 0, tier="host")
 
     # -- buffers -----------------------------------------------------------------------------
     def _slot(self, k: int) -> _Slot:
         slot = self._slots[k % self.slots_used]
         if slot.buffer is None and self.slot_bytes:
             slot.buffer = aligned_empty(self.slot_bytes, torch.float32)
-            self._memory.hold("optimizer_states", "nvme_swap_buffers",
+            self._memory.hold("comm_buffers", "nvme_swap_buffers",
                               sum(s.buffer.numel() * 4 for s in self._slots if s.buffer is not None), tier="host")
         return slot
 
