@@ -74,7 +74,7 @@ def _check_config(args: argparse.Namespace) -> str | None:
         settings = load_config(build_config(args, ["Block"]), args.nproc * args.nnodes)
     except ZeroShardError as exc:
         return str(exc)
-    return check_settings(settings, args.model, args.seq_len, args.nproc)
+    return check_settings(settings, args.model, args.seq_len, args.nproc, args.nproc * args.nnodes)
 
 
 def run(args: argparse.Namespace) -> int:

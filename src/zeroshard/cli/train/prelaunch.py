@@ -5,7 +5,10 @@ and exits 2. The ranks check the same things again (a user's own torchrun skips 
 file), so these checks only move errors earlier, never change what is accepted:
 
 - the optimizer's hyper-parameters, by building it over one element (torch's own checks);
-- NVMe paths: a directory this user can write, on a real filesystem;
+- NVMe paths: a directory this user can write, on a real filesystem, with room for what the
+  local ranks will write there (a lower bound: the model's transformer weights, 12 L h^2 + V h
+  elements, without biases, norms or positions, 4 bytes each of fp32 master on the optimizer's
+  path, the compute dtype's on the parameters'; the ranks check the exact figure again);
 - the batch against the host's memory: the estimator's activation peak for one micro-batch
   of the model (no weights built), times the local ranks, against the memory available.
 """
@@ -19,12 +22,13 @@ from zeroshard.policies import ZeroShardError
 __all__ = ["check_settings", "available_memory"]
 
 
-def check_settings(settings, spec: str, seq_len: int, local_ranks: int) -> str | None:
+def check_settings(settings, spec: str, seq_len: int, local_ranks: int, world_size: int | None = None) -> str | None:
     for check in (_check_optimizer, _check_nvme):
         problem = check(settings)
         if problem:
             return problem
-    return _check_batch_memory(settings, spec, seq_len, local_ranks)
+    return (_check_nvme_space(settings, spec, local_ranks, world_size or local_ranks)
+            or _check_batch_memory(settings, spec, seq_len, local_ranks))
 
 
 def _check_optimizer(settings) -> str | None:
@@ -51,6 +55,37 @@ def _check_nvme(settings) -> str | None:
             except ZeroShardError as exc:
                 return str(exc)
     return None
+
+
+def _check_nvme_space(settings, spec: str, local_ranks: int, world_size: int) -> str | None:
+    shape = _shape(spec)
+    if shape is None:
+        return None
+    from zeroshard.offload.nvme import check_space
+
+    phi = lower_bound_params(shape)
+    per_rank = -(-phi // world_size)
+    need: dict[str, int] = {}
+    offload = ((settings.zero.offload_optimizer, 4),  # the fp32 master (Adam's moments not counted)
+               (settings.zero.offload_param, settings.precision.compute.dtype.itemsize))
+    for policy, nbytes in offload:
+        if getattr(policy.device, "value", policy.device) == "nvme":
+            # one path for both: the larger alone (an fp32 run's parameter shard is its master)
+            need[policy.nvme_path] = max(need.get(policy.nvme_path, 0), nbytes * per_rank)
+    for path, nbytes in need.items():
+        try:
+            check_space(path, nbytes, local_ranks)  # _check_nvme has made sure it is a directory
+        except ZeroShardError as exc:
+            return str(exc)
+        except OSError:  # unreadable: the ranks check it again
+            continue
+    return None
+
+
+def lower_bound_params(shape: dict[str, int]) -> int:
+    """Fewer elements than the model has: its blocks' weight matrices and the embedding."""
+    return 12 * shape["layers"] * shape["hidden"] ** 2 + shape["vocab"] * shape["hidden"]
+
 
 
 def available_memory() -> int | None:
