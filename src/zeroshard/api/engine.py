@@ -64,8 +64,7 @@ class Engine(EngineSurface):
         self.topology, self.module = topology, module
         self.memory = MemoryLedger()
         self.pool = BufferPool(self.memory)  # large transient buffers reused, not re-faulted
-        self.comm = Comm(topology, CommLedger(topology.world_size), settings.runtime.comm_timeout_s)
-        self.comm.pool = self.pool  # gloo's reduce-scatter receive buffers (Comm takes no pool yet)
+        self.comm = Comm(topology, CommLedger(topology.world_size), settings.runtime.comm_timeout_s, pool=self.pool)
         run = assemble(module, settings, self.comm, self.memory, self.pool, optimizer)
         self.settings = settings = run.settings
         self.compute_dtype = settings.precision.compute.dtype

@@ -24,7 +24,6 @@ from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint, open_checkpoint
 from zeroshard.checkpoint.deepspeed_reader import resume as deepspeed_resume
 from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, frozen_buckets, name_table_of
-from zeroshard.offload import readable, store_value
 from zeroshard.policies import CheckpointError
 
 log = logging.getLogger("zeroshard")
@@ -132,11 +131,9 @@ def load_frozen_shards(reader: CheckpointReader, ts) -> None:
     """Stage 3: this rank's at-rest shard of each frozen unit bucket, element range by
     element range (from a saved frozen shard, or from a whole tensor saved at stages 0-2)."""
     for bucket in frozen_buckets(ts):
-        home = bucket.shard()
-        value = readable(home)  # a shard kept in a file (offload_param nvme): filled here, written back
+        value = bucket.read_shard()  # a shard kept in a file (offload_param nvme): filled here, written back
         _fill(value, bucket, reader, "value")
-        if value is not home:
-            store_value(home, value)
+        bucket.write_shard(value)  # in memory: the shard itself, nothing to copy
 
 
 def load_module_tensors(reader: CheckpointReader, ts) -> None:

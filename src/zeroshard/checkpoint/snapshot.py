@@ -26,7 +26,6 @@ from zeroshard.checkpoint.format import (
     module_key,
 )
 from zeroshard import faults
-from zeroshard.offload import readable
 from zeroshard.policies import CheckpointError
 
 # How an optimizer state of one master is stored and resharded.
@@ -145,7 +144,7 @@ def rank_file(ts, table: NameTable) -> RankFile:
         b = len(ts.buckets) + f
         shards.append([b, bucket.shard_index])
         entries.append(_lazy_entry(bucket_key(b, "value"), bucket.shard(),
-                                   lambda bucket=bucket: readable(bucket.shard())))  # nvme: read when written
+                                   lambda bucket=bucket: bucket.read_shard()))  # nvme: read when written
     if ts.rank == 0:
         entries += [_entry(module_key(name), t) for name, t in table.module_entries]
     if entries:

@@ -90,13 +90,13 @@ class Comm:
     (comm.zeropp) implement the same interfaces and issue through `issue` and `launch_*`."""
 
     def __init__(self, topology: Topology, ledger: CommLedger, timeout_s: float,
-                 group: Group | None = None, root: "Comm | None" = None) -> None:
+                 group: Group | None = None, root: "Comm | None" = None, pool=None) -> None:
         self.topology = topology
         self.ledger = ledger
         self.timeout_s = timeout_s
         self.on_group = group if group is not None else topology.world
         self._root = root
-        self.pool = None  # a BufferPool for receive buffers (set by the engine on the root comm)
+        self.pool = pool  # a BufferPool for gloo's receive buffers (the root comm's; None: fresh ones)
         self._sequence: dict[tuple, int] = {}  # direct collectives issued per group (root comm only)
         self._where = "start-up"  # set by the engine: "step 12, backward", ...
 

@@ -36,13 +36,10 @@ from zeroshard.comm.topology import Hierarchy
 from zeroshard.policies import CommError
 
 
-class QuantizedAllGather(AllGather):
-    """qwZ: an all-gather whose payload is int8 plus fp32 block scales."""
+class _OnComm:
+    """A collective over `self.comm`'s group: its rank and size are the group's."""
 
-    bits = QWZ_BITS
-
-    def __init__(self, comm: Comm, block: int = QUANT_BLOCK_SIZE) -> None:
-        self.comm, self.block = comm, block
+    comm: Comm
 
     @property
     def rank(self) -> int:
@@ -51,6 +48,15 @@ class QuantizedAllGather(AllGather):
     @property
     def world_size(self) -> int:
         return self.comm.world_size
+
+
+class QuantizedAllGather(_OnComm, AllGather):
+    """qwZ: an all-gather whose payload is int8 plus fp32 block scales."""
+
+    bits = QWZ_BITS
+
+    def __init__(self, comm: Comm, block: int = QUANT_BLOCK_SIZE) -> None:
+        self.comm, self.block = comm, block
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         comm, n = self.comm, self.comm.world_size
@@ -76,7 +82,7 @@ class QuantizedAllGather(AllGather):
                           wire_bytes=n * blocks.wire_bytes, finish=finish, dtype_name="int8")
 
 
-class QuantizedAllToAll(AllToAll):
+class QuantizedAllToAll(_OnComm, AllToAll):
     """An all-to-all of g rows (row j goes to group rank j) quantized to `bits` with fp32
     block scales per row; `output` (g rows, floating point) holds the dequantized rows
     received, row i from group rank i."""
@@ -84,14 +90,6 @@ class QuantizedAllToAll(AllToAll):
     def __init__(self, comm: Comm, bits: int = QGZ_BITS, block: int = QUANT_BLOCK_SIZE) -> None:
         plan_blocks(2, bits)  # an unbuilt width fails here, not at the first gradient
         self.comm, self.bits, self.block = comm, bits, block
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         comm, g = self.comm, self.comm.world_size
@@ -119,7 +117,7 @@ class QuantizedAllToAll(AllToAll):
                           wire_bytes=g * blocks.wire_bytes, finish=finish, dtype_name=f"int{self.bits}")
 
 
-class QuantizedHierarchicalReduceScatter(ReduceScatter):
+class QuantizedHierarchicalReduceScatter(_OnComm, ReduceScatter):
     """qgZ: a reduce-scatter done as two quantized all-to-alls (intra-node, then inter-node)."""
 
     def __init__(self, comm: Comm, hierarchy: Hierarchy, bits: int = QGZ_BITS,
@@ -130,14 +128,6 @@ class QuantizedHierarchicalReduceScatter(ReduceScatter):
             raise CommError(f"qgZ: {inter.world_size} nodes x {intra.world_size} ranks is not the world "
                             f"size {comm.world_size}; this is a zeroshard bug, please report it.")
         self.intra, self.inter = QuantizedAllToAll(intra, bits, block), QuantizedAllToAll(inter, bits, block)
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         """As `Comm.reduce_scatter`: `output` (this rank's chunk) may be a view into `input`."""

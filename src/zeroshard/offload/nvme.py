@@ -23,7 +23,6 @@ import os
 import shutil
 import socket
 import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +80,6 @@ class NvmeTier(Tier):
         self._lock = threading.Lock()
         self.ahead = _ReadAhead(self, *read_ahead) if read_ahead[0] > 0 else None
         self.startup_lines: list[str] = []
-        _OPEN.add(self)
         atexit.register(self.close)
 
     # -- start-up --------------------------------------------------------------------------------
@@ -204,7 +202,6 @@ class NvmeTier(Tier):
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
         try:
             if self.ahead is not None:
                 self.ahead.drop_all()
@@ -229,30 +226,6 @@ class NvmeHome(Home):
 
     def write(self, value: torch.Tensor, asynchronous: bool = False) -> None:
         self.tier.store(self.tensor, value)
-
-
-# Open tiers, for `readable` / `store_value`: callers that hold a bucket's `shard()` rather
-# than its home (a bucket's own `read_shard` / `write_shard` go through its home directly).
-_OPEN: "weakref.WeakSet[NvmeTier]" = weakref.WeakSet()
-
-
-def _owner(t: torch.Tensor) -> NvmeTier | None:
-    return next((tier for tier in list(_OPEN) if tier.region_of(t) is not None), None)
-
-
-def readable(t: torch.Tensor) -> torch.Tensor:
-    """`t` itself, or, when `t` is the placeholder of a shard kept in a file, a fresh tensor with its values."""
-    owner = _owner(t)
-    return t if owner is None else owner.fetch(t, torch.device("cpu"))
-
-
-def store_value(home: torch.Tensor, value: torch.Tensor) -> None:
-    """Write `value` into `home`, a tensor or the placeholder of a shard kept in a file."""
-    owner = _owner(home)
-    if owner is None:
-        home.copy_(value)
-    else:
-        owner.store(home, value)
 
 
 class _ReadAhead:
@@ -353,4 +326,4 @@ class _ReadAhead:
 
 
 __all__ = ["NvmeHome", "NvmeTier", "Region", "aio_settings", "aligned_empty", "check_path", "check_space",
-           "placeholder", "readable", "store_value", "sweep_stale"]
+           "placeholder", "sweep_stale"]

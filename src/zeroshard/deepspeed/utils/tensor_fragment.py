@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.offload import store_value
 from zeroshard.policies import ConfigError
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
@@ -118,6 +117,6 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
         else:
             master[slot.offset : slot.end].copy_(flat)
         if master.data_ptr() != bucket.shard().data_ptr():
-            store_value(bucket.shard(), master)
+            bucket.write_shard(master)
     engine.params.publish(b)
     engine.params.wait()
