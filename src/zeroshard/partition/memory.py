@@ -53,6 +53,10 @@ class MemoryLedger:
     def holds(self, category: str, key: str) -> bool:
         return (category, key) in self._held
 
+    def held(self, category: str, prefix: str = "") -> int:
+        """Bytes of `category` held now under keys that start with `prefix` (all, without one)."""
+        return sum(n for (c, k), (n, _) in self._held.items() if c == category and k.startswith(prefix))
+
     def reset_peaks(self) -> None:
         self._peak = defaultdict(int, {c: self._now[c] for c in CATEGORIES})
         self._peak_states = self._states_now()

@@ -56,6 +56,10 @@ def gather_memory(engine) -> list[dict[str, int]]:
     stats = engine.memory_stats()
     keys = [*MEMORY_KINDS, *(f"peak_{k}" for k in MEMORY_KINDS), "tier_device", "tier_host", "tier_nvme"]
     ts = engine.train_state
+    # fp32 masters kept apart from the parameters (offload tiers, 16-bit training): plain DP
+    # in fp32 holds none, so its baseline must not copy them
+    stats = {**stats, "optimizer_masters": engine.memory.held("optimizer_states", "master.")}
+    keys.append("optimizer_masters")
     mine = torch.tensor([int(stats.get(k, 0)) for k in keys], dtype=torch.int64, device=ts.device)
     everyone = torch.empty(ts.world_size * len(keys), dtype=torch.int64, device=ts.device)
     ts.comm.all_gather(everyone, mine, what="zeroshard train: per-rank memory").wait()
@@ -81,6 +85,14 @@ def memory_line(step: int, total: int, loss: float, engine, per_rank: list[dict[
             f"rank 0 sent {sent:.2f} MiB")
 
 
+def _plain_dp_optimizer(rec: RunRecord, mem: dict[str, int], optimizer_shards: int) -> int:
+    """The whole optimizer state one rank of plain data parallelism holds: this run's states
+    times its shards, plus an fp32 master of every trainable parameter only when training in
+    16 bits (in fp32 the parameter is its own master, wherever this run kept a copy)."""
+    states = mem["optimizer_states"] - mem.get("optimizer_masters", 0)
+    return states * optimizer_shards + (4 * rec.trainable if rec.itemsize < 4 else 0)
+
+
 def _plain_dp_bytes(rec: RunRecord, optimizer_bytes_total: int) -> int:
     """What one rank of plain data parallelism holds: every parameter and every trainable
     gradient in the compute dtype, and the whole optimizer state."""
@@ -90,7 +102,7 @@ def _plain_dp_bytes(rec: RunRecord, optimizer_bytes_total: int) -> int:
 def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shards: int) -> Table:
     mem = per_rank[0]
     held = sum(mem[k] for k in ("params", "grads", "optimizer_states"))
-    plain = _plain_dp_bytes(rec, mem["optimizer_states"] * optimizer_shards)
+    plain = _plain_dp_bytes(rec, _plain_dp_optimizer(rec, mem, optimizer_shards))
     paper = paper_elements(rec.last_comm)
     losses = rec.losses
     k = max(1, min(10, len(losses) // 2))
@@ -136,7 +148,7 @@ def write_report(path: str, rec: RunRecord, per_rank: list[dict[str, int]], opti
 
     labels = [f"rank {r}" for r in range(len(per_rank))] + ["plain DP"]
     plain = {"params": rec.itemsize * rec.phi, "grads": rec.itemsize * rec.trainable,
-             "optimizer_states": per_rank[0]["optimizer_states"] * optimizer_shards, "comm_buffers": 0}
+             "optimizer_states": _plain_dp_optimizer(rec, per_rank[0], optimizer_shards), "comm_buffers": 0}
     columns = [*per_rank, plain]
     bottom = [0.0] * len(columns)
     for kind, color in zip(MEMORY_KINDS, ("tab:blue", "tab:orange", "tab:green", "tab:gray")):
