@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
-from zeroshard.checkpoint.deepspeed_reader import find_deepspeed_tag, open_checkpoint, summary as deepspeed_summary
+from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint, find_deepspeed_tag, open_checkpoint
+from zeroshard.checkpoint.deepspeed_reader.files import FORMAT as DEEPSPEED_FORMAT
 from zeroshard.policies import CheckpointError
 
 
@@ -13,19 +15,10 @@ def inspect(ckpt_dir: str | os.PathLike, tag: str | None = None, verify: bool = 
     """A report of the checkpoint; each file's `check` is "ok" or the problem found. A folder
     DeepSpeed wrote gets the same report ("format": "deepspeed"; files checked by CRC-32)."""
     if find_deepspeed_tag(ckpt_dir, tag) is not None:
-        return deepspeed_summary(ckpt_dir, tag, verify)
+        return _deepspeed_report(ckpt_dir, tag, verify)
     with open_checkpoint(ckpt_dir, tag) as reader:  # (its error also says it is not a DeepSpeed one)
         meta = reader.meta
-        files = []
-        for name, info in sorted(meta["files"].items()):
-            try:
-                if verify:
-                    reader.verify([name])
-                check = "ok" if verify else "not checked"
-            except CheckpointError as exc:
-                check = str(exc)
-            files.append({"file": name, "rank": info["rank"], "bytes": info["bytes"],
-                          "sha256": info["sha256"], "check": check})
+        files = _file_rows(reader, verify)
         buckets = [{"bucket": b.index, "dtype": b.dtype.replace("torch.", ""), "group": b.group,
                     "params": len(b.slots), "numel": sum(s.numel for s in b.slots),
                     "padded_numel": b.padded_numel, "shards": b.shard_count,
@@ -39,6 +32,52 @@ def inspect(ckpt_dir: str | os.PathLike, tag: str | None = None, verify: bool = 
             "optimizer": meta["optimizer"]["class"], "optimizer_states": meta["optimizer"]["states"],
             "lr_scheduler": (meta.get("lr_scheduler") or {}).get("class"),
             "parameters": total, "trainable_parameters": trainable, "tied": meta["tied"],
+            "buckets": buckets, "files": files, "bytes": sum(f["bytes"] for f in files),
+            "ok": all(f["check"] in ("ok", "not checked") for f in files),
+        }
+
+
+def _file_rows(reader, verify: bool, by_rank: bool = False) -> list[dict[str, Any]]:
+    """Each file of the checkpoint with its check: "ok", "not checked", or the problem found."""
+    items = sorted(reader.meta["files"].items(), key=(lambda kv: (kv[1]["rank"], kv[0])) if by_rank else None)
+    rows = []
+    for name, info in items:
+        try:
+            if verify:
+                reader.verify([name])
+            check = "ok" if verify else "not checked"
+        except CheckpointError as exc:
+            check = str(exc)
+        rows.append({"file": name, "rank": info["rank"], "bytes": info["bytes"], "sha256": info.get("sha256") or "",
+                     "check": check})
+    return rows
+
+
+def _deepspeed_report(path: str | os.PathLike, tag: str | None, verify: bool) -> dict[str, Any]:
+    """`zeroshard inspect`'s report of a DeepSpeed checkpoint (the keys of a zeroshard one's,
+    plus "format" and "deepspeed_version"); each file's check is its zip records' CRC-32."""
+    with DeepSpeedCheckpoint(path, tag) as reader:
+        meta = reader.meta
+        files = _file_rows(reader, verify, by_rank=True)
+        buckets = []
+        for i, g in enumerate(reader.groups):
+            numel = sum(math.prod(int(d) for d in s) for _, s in g)
+            if reader.stage == 3:
+                padded = sum(math.ceil(math.prod(int(d) for d in s) / reader.world_size) for _, s in g) * reader.world_size
+            else:
+                padded = reader.partition_sizes[i] * reader.world_size
+            buckets.append({"bucket": i, "dtype": str(reader.compute_dtype).replace("torch.", ""), "group": i,
+                            "params": len(g), "numel": numel, "padded_numel": padded, "shards": reader.world_size,
+                            "fields": ["master"] + [f"optim.{k}" for k in meta["optimizer"]["states"]]})
+        total = sum(reader.numel(n) for n in reader.tensors)
+        return {
+            "format": DEEPSPEED_FORMAT, "deepspeed_version": meta["deepspeed_version"],
+            "dir": reader.dir, "tag": meta["tag"], "world_size": meta["world_size"], "stage": meta["stage"],
+            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
+            "compute_dtype": meta["compute_dtype"].replace("torch.", ""),
+            "optimizer": meta["optimizer"]["class"], "optimizer_states": meta["optimizer"]["states"],
+            "lr_scheduler": (meta.get("lr_scheduler") or {}).get("class"),
+            "parameters": total, "trainable_parameters": sum(b["numel"] for b in buckets), "tied": meta["tied"],
             "buckets": buckets, "files": files, "bytes": sum(f["bytes"] for f in files),
             "ok": all(f["check"] in ("ok", "not checked") for f in files),
         }
