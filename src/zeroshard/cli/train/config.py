@@ -9,12 +9,12 @@ stage 3 as the ZeRO paper describes it: Phi x (2 + 2 + 12) / N bytes at rest, 3 
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
+from zeroshard.config.loader import read_json
 from zeroshard.policies import ConfigError
 
-__all__ = ["DEFAULT_STEPS_PER_PRINT", "build_config", "default_config", "read_config"]
+__all__ = ["DEFAULT_STEPS_PER_PRINT", "build_config", "default_config"]
 
 DEFAULT_STEPS_PER_PRINT = 50
 
@@ -39,27 +39,11 @@ def default_config(steps: int, micro_batch: int, unit_classes: list[str]) -> dic
     }
 
 
-def read_config(path: str) -> dict[str, Any]:
-    """A JSON config file, or ConfigError naming the line and column where it stops parsing."""
-    try:
-        with open(path) as fh:
-            cfg = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file (a JSON config was expected)") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: the config must be a JSON object {{...}}, got {type(cfg).__name__}")
-    return cfg
-
-
 def filled_from_default(args: argparse.Namespace) -> list[str]:
     """What build_config took from the embedded config because --config was silent, as lines."""
     if not args.config:
         return []
-    user = read_config(args.config)
+    user = read_json(args.config)
     if "optimizer" in user:
         return []
     default = default_config(args.steps, 8, [])
@@ -80,7 +64,7 @@ def build_config(args: argparse.Namespace, unit_classes: list[str]) -> dict[str,
     At stage 3 with no gather units named (`zeroshard.stage3_unit_classes`, or
     `stage3_min_unit_params` to pick by size), the model's transformer layers are named."""
     if args.config:
-        cfg = read_config(args.config)
+        cfg = read_json(args.config)
         if "optimizer" not in cfg:  # the run needs one: the embedded recipe's, said at launch
             default = default_config(args.steps, 8, unit_classes)
             cfg["optimizer"] = default["optimizer"]
