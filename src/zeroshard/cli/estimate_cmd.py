@@ -6,6 +6,7 @@ Also home of the arguments `plan` shares (model source, cluster, workload).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import replace
@@ -24,11 +25,13 @@ from zeroshard.estimate.lora import (
 from zeroshard.estimate.model_size import build_on_meta, load_config
 from zeroshard.estimate.planner import NVME_SUB_GROUP_SIZE, bucket_sizes as _bucket_sizes
 from zeroshard.estimate.byte_units import GIB, parse_count
-from zeroshard.policies import ConfigError, ZeroShardError
+from zeroshard.policies import ConfigError, Precision, ZeroShardError
 
 DEFAULT_GPU = "a100-80gb"
 DEFAULT_INTER_NODE = "ib-hdr-8x"
 DEFAULT_CPU_MEM = "512GiB"
+# the workload's defaults are the estimator's own (estimate.Workload), declared there once
+_WORKLOAD = {f.name: f.default for f in dataclasses.fields(Workload)}
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,11 +63,13 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--inter-node-bw", type=float, help="override: inter-node GB/s per node, one direction")
     c.add_argument("--flops", type=float, help="achievable TFLOP/s per GPU (default: 40%% of the GPU's peak)")
     w = p.add_argument_group("workload")
-    w.add_argument("--seq-len", type=int, default=2048)
-    w.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step")
-    w.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    w.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
-    w.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, sgd-momentum, lion, adagrad")
+    w.add_argument("--seq-len", type=int, default=_WORKLOAD["seq"])
+    w.add_argument("--micro-batch", type=int, default=_WORKLOAD["micro_batch"], help="sequences per GPU per micro-step")
+    w.add_argument("--grad-accum", type=int, default=_WORKLOAD["gradient_accumulation_steps"],
+                   help="gradient accumulation steps")
+    w.add_argument("--precision", choices=sorted(p.value for p in Precision),
+                   default=Precision(_WORKLOAD["precision"]).value)
+    w.add_argument("--optimizer", default=_WORKLOAD["optimizer"], help="adam, adamw, sgd, sgd-momentum, lion, adagrad")
     w.add_argument("--optimizer-bytes", type=int, help="K: optimizer bytes per parameter incl. fp32 master")
     w.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto",
                    help="plan: auto tries off then on; estimate: auto means off")
