@@ -31,6 +31,7 @@ import torch
 
 from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree
+from zeroshard.checkpoint.export import stream_entries, target_dtype
 from zeroshard.checkpoint.files import Entry, write_safetensors, write_small
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.policies import CheckpointError, Stage
@@ -41,7 +42,6 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_META_KEY", "adapter_tensor
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_META_KEY = "peft_config"  # meta.json: {"adapter_name": ..., "config": LoraConfig.to_dict()}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # peft's LoRA parameter names (lora_A/B, embeddings, DoRA's magnitude vector)
 _LORA_PART = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
 
@@ -152,9 +152,7 @@ def _write_adapter(out_dir: str, entries: list[Entry], config: dict[str, Any]) -
 def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp32",
                    tag: str | None = None, lora_alpha: float | None = None) -> list[str]:
     """The checkpoint's LoRA adapter in peft's format; reads the trainable buckets only."""
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    target = DTYPES[dtype]
+    target = target_dtype(dtype)
     with CheckpointReader(ckpt_dir, tag) as reader:
         where = reader.meta_path
         trainable = {n: bool(reader.tensors[reader.canonical(n)].get("trainable")) for n in reader.meta["names"]}
@@ -195,8 +193,6 @@ def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
     """Write the engine's LoRA adapter in peft's format from rank 0, in the compute dtype;
     call on every rank. Stage 3 gathers one trainable bucket at a time, no frozen unit."""
     ts = train_state_of(engine)
-    from zeroshard.checkpoint.export import _BucketStream
-
     error: BaseException | None = None
     meta = names = adapter = None
     try:
@@ -214,41 +210,15 @@ def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
     except BaseException as exc:
         error = exc
     agree(ts.comm, error, ts.device, "save_adapter")
-    stage3 = ts.settings.zero.stage == Stage.PARAMETERS
-    where = {}
-    for bucket in ts.buckets:
-        for slot, p in zip(bucket.slots, bucket.params):
-            where[id(p)] = (bucket, slot)
-    stream = _BucketStream(ts) if stage3 else None
-    produced = 0
-
-    def producer(i: int, t: torch.Tensor):
-        def produce() -> torch.Tensor:
-            nonlocal produced
-            produced = i + 1
-            if stream is None:
-                return t.detach()
-            bucket, slot = where[id(t)]
-            return stream.get(bucket)[slot.offset: slot.end].view(slot.shape)
-        return produce
-
-    entries = []
-    for i, n in enumerate(names):
-        t = sd[n]
-        dtype = where[id(t)][0].dtype if id(t) in where else t.dtype
-        entries.append(Entry(peft_key(n, adapter), tuple(t.shape), dtype, producer(i, t)))
+    entries, finish = stream_entries(ts, [(n, sd[n]) for n in names], ts.buckets,
+                                     gather=ts.settings.zero.stage == Stage.PARAMETERS,
+                                     key=lambda n: peft_key(n, adapter))
     written: list[str] = []
     try:
         if ts.rank == 0:
             written = _write_adapter(os.fspath(save_dir), entries, meta["config"])
     except BaseException as exc:
         error = exc
-    try:
-        if stream is not None:
-            for e in entries[produced:]:  # the other ranks (or a failed rank 0): the same gathers
-                e.produce()
-    finally:
-        if stream is not None:
-            stream.drop()
+    finish()
     agree(ts.comm, error, ts.device, "save_adapter")
     return written

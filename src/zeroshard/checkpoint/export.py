@@ -38,6 +38,12 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+def target_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise CheckpointError(f"dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def parse_size(size: int | str) -> int:
     """Bytes from 5000000, "5GB" (10^9) or "4GiB" (2^30), as Hugging Face reads them."""
     if isinstance(size, int):
@@ -124,9 +130,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
 
     `exclude_frozen` (DeepSpeed's `exclude_frozen_parameters`): only the trainable tensors,
     under their state-dict names, and no config.json (the files are not a loadable model)."""
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    target = DTYPES[dtype]
+    target = target_dtype(dtype)
     with open_checkpoint(ckpt_dir, tag) as reader:  # zeroshard's own, or a folder DeepSpeed wrote
         reader.verify([f for f in reader.files if ".optim." not in f])  # values only: a third of Adam's bytes
         names = reader.meta["names"]
@@ -140,15 +144,11 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
             shape = tuple(info["shape"])
             saved = getattr(torch, info["dtype"].replace("torch.", ""))
             out = target if saved.is_floating_point else saved
-            entries.append(Entry(name, shape, out, _reader_producer(reader, name, shape, out)))
+            entries.append(Entry(name, shape, out, lambda name=name, shape=shape, out=out:
+                                 reader.read(name).to(out).view(shape)))
         config = None if exclude_frozen else \
             _config_for(reader.meta.get("model_config"), target, reader.meta.get("model_class"))
         return write_model(os.fspath(out_dir), entries, max_shard_size, config)
-
-
-def _reader_producer(reader: CheckpointReader, name: str, shape: tuple[int, ...],
-                     dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    return lambda: reader.read(name).to(dtype).view(shape)
 
 
 def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | str = "5GB") -> list[str]:
@@ -210,28 +210,44 @@ class _BucketStream:
         self.bucket = self.full = None
 
 
-def _save_16bit_stage3(ts, save_dir: str, max_shard_size: int | str) -> list[str]:
-    where = {}
-    for bucket in list(ts.buckets) + list(ts.frozen_buckets):
-        for slot, p in zip(bucket.slots, bucket.params):
-            where[id(p)] = (bucket, slot)
-    stream = _BucketStream(ts)
+def stream_entries(ts, items, buckets, gather: bool, key: Callable[[str], str] = lambda name: name):
+    """Entries for the (name, tensor) `items`: a tensor of `buckets` is read from its bucket's
+    full buffer (all-gathered one bucket at a time when `gather`), any other as it is; and
+    `finish()`, which makes the gathers the writer did not (the other ranks, or rank 0 after a
+    failed write: every rank gathers the same buckets in the same order) and drops the last."""
+    where = {id(p): (bucket, slot) for bucket in buckets for slot, p in zip(bucket.slots, bucket.params)}
+    stream = _BucketStream(ts) if gather else None
     produced = 0
 
     def producer(i: int, t: torch.Tensor):
         def produce() -> torch.Tensor:
             nonlocal produced
             produced = i + 1
-            if id(t) not in where:  # buffers, frozen parameters outside units: whole on every rank
+            if stream is None or id(t) not in where:  # buffers, frozen parameters outside units
                 return t.detach()
             bucket, slot = where[id(t)]
             return stream.get(bucket)[slot.offset : slot.end].view(slot.shape)
         return produce
 
     entries = []
-    for i, (name, t) in enumerate(ts.module.state_dict(keep_vars=True).items()):
+    for i, (name, t) in enumerate(items):
         dtype = where[id(t)][0].dtype if id(t) in where else t.dtype  # released parameters: true shape
-        entries.append(Entry(name, tuple(t.shape), dtype, producer(i, t)))
+        entries.append(Entry(key(name), tuple(t.shape), dtype, producer(i, t)))
+
+    def finish() -> None:
+        if stream is None:
+            return
+        try:
+            for e in entries[produced:]:
+                e.produce()
+        finally:
+            stream.drop()
+    return entries, finish
+
+
+def _save_16bit_stage3(ts, save_dir: str, max_shard_size: int | str) -> list[str]:
+    entries, finish = stream_entries(ts, ts.module.state_dict(keep_vars=True).items(),
+                                     list(ts.buckets) + list(ts.frozen_buckets), gather=True)
     written: list[str] = []
     error: BaseException | None = None
     try:
@@ -240,10 +256,6 @@ def _save_16bit_stage3(ts, save_dir: str, max_shard_size: int | str) -> list[str
             written = write_model(save_dir, entries, max_shard_size, config)
     except BaseException as exc:
         error = exc
-    try:
-        for e in entries[produced:]:  # the other ranks, or rank 0 after a failed write: the same gathers
-            e.produce()
-    finally:
-        stream.drop()
+    finish()
     agree(ts.comm, error, ts.device, "save_16bit_model")
     return written

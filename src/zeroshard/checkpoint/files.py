@@ -9,9 +9,11 @@ caller records the file as done. `safetensors.safe_open` reads the result.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import select
 import struct
@@ -39,10 +41,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,7 @@ def write_small(path: str, data: bytes) -> None:
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path) or ".")
     except OSError as exc:
-        with _quiet():
+        with contextlib.suppress(OSError):
             os.remove(tmp)
         raise write_error(path, exc) from None
 
@@ -180,14 +179,6 @@ def sha256_of(path: str) -> str:
         if pending is not None:
             pending.result()
     return sha.hexdigest()
-
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 def total_bytes(entries: Iterable[Entry]) -> int:

@@ -155,9 +155,7 @@ def json_safe(value: Any, what: str) -> Any:
 
     Tuples become lists; tensors of one element become numbers; nothing is pickled."""
     def walk(v: Any, path: str) -> Any:
-        if v is None or isinstance(v, (bool, int, str)):
-            return v
-        if isinstance(v, float):
+        if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, dict):
             out = {}

@@ -23,7 +23,7 @@ from zeroshard.checkpoint.exchange import agree
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint, open_checkpoint
 from zeroshard.checkpoint.deepspeed_reader import resume as deepspeed_resume
-from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, frozen_buckets, name_table_of
+from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, name_table_of
 from zeroshard.policies import CheckpointError
 
 log = logging.getLogger("zeroshard")
@@ -130,7 +130,7 @@ def load_masters(reader: CheckpointReader, ts) -> None:
 def load_frozen_shards(reader: CheckpointReader, ts) -> None:
     """Stage 3: this rank's at-rest shard of each frozen unit bucket, element range by
     element range (from a saved frozen shard, or from a whole tensor saved at stages 0-2)."""
-    for bucket in frozen_buckets(ts):
+    for bucket in ts.frozen_buckets:
         value = bucket.read_shard()  # a shard kept in a file (offload_param nvme): filled here, written back
         _fill(value, bucket, reader, "value")
         bucket.write_shard(value)  # in memory: the shard itself, nothing to copy

@@ -11,6 +11,7 @@ Only JSON and safetensors are ever parsed: nothing is unpickled.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -127,10 +128,7 @@ class CheckpointReader:
         return self.tied.get(name, name)
 
     def numel(self, name: str) -> int:
-        n = 1
-        for d in self.tensors[self.canonical(name)]["shape"]:
-            n *= d
-        return n
+        return math.prod(self.tensors[self.canonical(name)]["shape"])
 
     def read(self, name: str, field: str = "value", lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements [lo, hi) of `name`'s flattened `field`: "value" (the fp32 master of a
@@ -174,18 +172,11 @@ class CheckpointReader:
 
     def _read_bucket(self, bucket: BucketRecord, lo: int, hi: int, field: str) -> torch.Tensor:
         key = bucket_key(bucket.index, field)
-        runs = list(bucket.pieces(lo, hi))
-        if len(runs) == 1:  # the common case: no copy beyond the read itself
-            s, a, b = runs[0]
-            base = s * bucket.shard_numel
-            return self._slice(rank_file(bucket.holders[s], field), key, a - base, b - base)
-        parts = []
-        for s, a, b in runs:
-            base = s * bucket.shard_numel
-            parts.append(self._slice(rank_file(bucket.holders[s], field), key, a - base, b - base))
-        if not parts:
-            return torch.empty(0, dtype=torch.float32)
-        return torch.cat(parts)
+        parts = [self._slice(rank_file(bucket.holders[s], field), key, a - s * bucket.shard_numel,
+                             b - s * bucket.shard_numel) for s, a, b in bucket.pieces(lo, hi)]
+        if len(parts) == 1:  # the common case: no copy beyond the read itself
+            return parts[0]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
 
     def _slice(self, file: str, key: str, lo: int, hi: int) -> torch.Tensor:
         f = self._file(file)

@@ -56,13 +56,8 @@ class NameTable:
         return {"names": self.names, "tensors": self.tensors, "tied": self.tied}
 
 
-def frozen_buckets(ts) -> list:
-    """The sharded frozen buckets of a stage-3 run (none at stages 0-2)."""
-    return list(ts.frozen_buckets)
-
-
 def name_table_of(ts) -> NameTable:
-    return name_table(ts.module, ts.buckets, frozen_buckets(ts))
+    return name_table(ts.module, ts.buckets, ts.frozen_buckets)
 
 
 def name_table(module: torch.nn.Module, buckets, frozen=()) -> NameTable:
@@ -119,7 +114,7 @@ def rank_file(ts, table: NameTable) -> RankFile:
     optim_entries: list[Entry] = []
     shards: list[list[int]] = []
     json_states: dict[str, dict[str, Any]] = {}
-    frozen = frozen_buckets(ts)
+    frozen = list(ts.frozen_buckets)  # stage 3 only
     records = [bucket_record(bucket, fields, b) for b, bucket in enumerate(ts.buckets)]
     records += [bucket_record(bucket, ("value",), len(ts.buckets) + f) for f, bucket in enumerate(frozen)]
     for b, (bucket, master) in enumerate(zip(ts.buckets, opt.masters)):
