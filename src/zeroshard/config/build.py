@@ -42,9 +42,8 @@ def precision_policy(config: RootConfig) -> PrecisionPolicy:
 def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, default: OffloadPolicy) -> OffloadPolicy:
     if block is None:
         return default
-    extra: dict[str, Any] = {}
     if isinstance(block, OffloadParamConfig):
-        extra = {"buffer_size": block.buffer_size, "max_in_cpu": block.max_in_cpu}
+        extra: dict[str, Any] = {"buffer_size": block.buffer_size, "max_in_cpu": block.max_in_cpu}
     else:
         extra = {"pipeline_read": block.pipeline_read or block.pipeline,
                  "pipeline_write": block.pipeline_write or block.pipeline,

@@ -9,6 +9,7 @@ print `path = value: expected ...`.
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from typing import Annotated, Any, ClassVar, Union
@@ -176,17 +177,16 @@ def check_free_params(params: dict[str, Any], kinds: dict[str, str]) -> dict[str
         try:
             out[key] = _param_value(kind, value)
         except PydanticCustomError as exc:
-            problems.append(f"{key} = {_shown(value)}: {exc.message()}")
+            problems.append(f"{key} = {shown(value, 60)}: {exc.message()}")
     if problems:
         raise PydanticCustomError("zs_rule", "{problems}", {"problems": "; ".join(problems)})
     return out
 
 
-def _shown(value: Any) -> str:
-    import json
-
+def shown(value: Any, width: int | None = None) -> str:
+    """`value` as JSON (its repr where JSON cannot say it), cut to `width` characters."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
         text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if width is None or len(text) <= width else text[: width - 3] + "..."

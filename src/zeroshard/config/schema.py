@@ -43,6 +43,12 @@ SCHEDULER_PARAM_KINDS = {
 }
 
 
+def _known_type(what: str, name: str, key: str, known) -> str:
+    if key not in known:
+        raise PydanticCustomError("zs_value", f"unknown {what} type{{hint}}", {"hint": did_you_mean(key, known)})
+    return name
+
+
 _SCALE, _AIO, _RUNTIME, _S3 = LossScalePolicy(), AioPolicy(), RuntimePolicy(), Stage3Policy()
 
 
@@ -74,11 +80,7 @@ class OptimizerConfig(Section):
     @field_validator("type")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name.lower() not in KNOWN_OPTIMIZERS:
-            raise PydanticCustomError(
-                "zs_value", "unknown optimizer type{hint}",
-                {"hint": did_you_mean(name.lower(), KNOWN_OPTIMIZERS)})
-        return name
+        return _known_type("optimizer", name, name.lower(), KNOWN_OPTIMIZERS)
 
     @field_validator("params")
     @classmethod
@@ -97,11 +99,7 @@ class SchedulerConfig(Section):
     @field_validator("type")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name not in KNOWN_SCHEDULERS:
-            raise PydanticCustomError(
-                "zs_value", "unknown scheduler type{hint}",
-                {"hint": did_you_mean(name, KNOWN_SCHEDULERS)})
-        return name
+        return _known_type("scheduler", name, name, KNOWN_SCHEDULERS)
 
     @field_validator("params")
     @classmethod

@@ -19,11 +19,11 @@ Rules:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable
 
+from zeroshard.config.fields import shown
 from zeroshard.config.names import BUILT_OPTIMIZERS, BUILT_SCHEDULERS
 from zeroshard.config.schema import RootConfig
 from zeroshard.policies import ConfigError, NotSupportedYetError
@@ -114,13 +114,6 @@ STAGE3_ONLY_KEYS = (
 )
 
 
-def _show(value: Any) -> str:
-    try:
-        return json.dumps(value)
-    except TypeError:
-        return repr(value)
-
-
 def _zeropp_in_use(c: RootConfig) -> list[str]:
     """The ZeRO++ keys set to a value that turns something on."""
     z = c.zero
@@ -141,9 +134,9 @@ def check_support(config: RootConfig) -> list[str]:
         if value is None:
             continue
         if stage not in gap.stages:
-            ignored.append(f"{gap.path} = {_show(value)}")
+            ignored.append(f"{gap.path} = {shown(value)}")
             continue
-        errors.append(f"{gap.path} = {_show(value)}: not supported yet by zeroshard {version()}; "
+        errors.append(f"{gap.path} = {shown(value)}: not supported yet by zeroshard {version()}; "
                       f"remove it or set it to {gap.fix}")
     if errors:
         raise NotSupportedYetError("\n".join(errors))
@@ -155,7 +148,7 @@ def check_support(config: RootConfig) -> list[str]:
     for name, lowest in (("offload_optimizer", 1), ("offload_param", 3)):  # host offload is built
         device = _device(getattr(config.zero, name))
         if device and stage < lowest and f"{_Z}{name}." not in " ".join(ignored):
-            ignored.append(f"{_Z}{name}.device = {_show(device)}")
+            ignored.append(f"{_Z}{name}.device = {shown(device)}")
     if stage < 3 and config.zero_optimization is not None:
         set_keys = config.zero_optimization.model_fields_set
         already = " ".join(ignored)
@@ -201,7 +194,7 @@ def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
         (bool(c.optimizer and c.optimizer.legacy_fusion), "optimizer.legacy_fusion: no effect in zeroshard"),
     ]
     zero = c.zero
-    checks += [(getattr(zero, key) == value, f"zero_optimization.{key} = {_show(value)}: no effect in zeroshard")
+    checks += [(getattr(zero, key) == value, f"zero_optimization.{key} = {shown(value)}: no effect in zeroshard")
                for key, value in _ZERO_NO_EFFECT.items()]
     uses_nvme = "nvme" in (_device(zero.offload_optimizer), _device(zero.offload_param))
     checks.append((c.aio is not None and not uses_nvme, "aio: it configures NVMe offload only, unused here"))

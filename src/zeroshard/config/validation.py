@@ -7,34 +7,21 @@ the block where the key belongs when it was put in the wrong one.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import ValidationError
 
-from zeroshard.config.fields import Section, section_at, section_of
+from zeroshard.config.fields import Section, section_at, section_of, shown
 from zeroshard.config.suggest import closest
 
 # Keys users put in the wrong block, and what to say (pain point: fp16 keys in bf16).
-_MISPLACED_HINTS = {
-    ("bf16", "loss_scale"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
-    ("bf16", "initial_scale_power"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
-    ("bf16", "loss_scale_window"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
-    ("bf16", "hysteresis"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
-    ("bf16", "min_loss_scale"): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16",
-}
+_MISPLACED_HINTS = {("bf16", key): "bf16 needs no loss scaling; fp16 loss-scale keys belong in fp16"
+                    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                                "min_loss_scale")}
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:
     return ".".join(str(part) for part in loc)
-
-
-def _show(value: Any) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _homes(root: type[Section], key: str) -> list[str]:
@@ -75,9 +62,7 @@ def _expected(error: dict[str, Any]) -> str:
     kind, msg = error["type"], error["msg"]
     if kind.startswith("zs_"):
         return msg
-    if kind == "model_type" or kind == "model_attributes_type":
-        return "expected an object ({...})"
-    if kind in ("dict_type", "dict_attributes_type"):
+    if kind in ("model_type", "model_attributes_type", "dict_type", "dict_attributes_type"):
         return "expected an object ({...})"
     if kind == "list_type":
         return "expected a list"
@@ -89,8 +74,6 @@ def _expected(error: dict[str, Any]) -> str:
         return f"expected a value >= {error['ctx']['ge']}"
     if kind == "less_than_equal":
         return f"expected a value <= {error['ctx']['le']}"
-    if kind == "literal_error":
-        return "expected " + msg.removeprefix("Input should be ")
     if msg.startswith("Input should be "):
         return "expected " + msg.removeprefix("Input should be ")
     return msg.removeprefix("Value error, ")
@@ -122,7 +105,7 @@ def describe(root: type[Section], error: dict[str, Any], renames: dict[tuple, tu
     path = _dotted(loc) or "config"
     if kind == "zs_rule":
         return f"{path}: {error['msg']}"
-    return f"{path} = {_show(error.get('input'))}: {_expected(error)}"
+    return f"{path} = {shown(error.get('input'), 80)}: {_expected(error)}"
 
 
 def to_config_error(root: type[Section], exc: ValidationError, origin: str,
