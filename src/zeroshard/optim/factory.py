@@ -36,44 +36,34 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
 }
 
 # DeepSpeed optimizers with no torch equivalent yet: a clear "not yet", not "unknown".
-_DEEPSPEED_NOT_YET = frozenset(
-    {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam", "muadamw", "musgd"}
-)
+_DEEPSPEED_NOT_YET = frozenset({"lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam", "muadamw",
+                                "musgd"})
 
 
 def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The torch class and its keyword arguments, after validating the DeepSpeed params."""
     kind = spec.type.lower()
     if kind in _DEEPSPEED_NOT_YET:
-        raise NotSupportedYetError(
-            f"optimizer type {spec.type!r} is a DeepSpeed optimizer zeroshard does not build yet; "
-            f"use one of {sorted(_VALID_KEYS)}"
-        )
+        raise NotSupportedYetError(f"optimizer type {spec.type!r} is a DeepSpeed optimizer zeroshard does not "
+                                   f"build yet; use one of {sorted(_VALID_KEYS)}")
     if kind not in _VALID_KEYS:
         raise ConfigError(f"unknown optimizer type {spec.type!r}; valid types: {sorted(_VALID_KEYS)}")
     params = dict(spec.params)
     if "max_grad_norm" in params:
-        raise ConfigError(
-            f"optimizer {spec.type!r}: 'max_grad_norm' is not an optimizer parameter; "
-            "set the top-level 'gradient_clipping' instead"
-        )
+        raise ConfigError(f"optimizer {spec.type!r}: 'max_grad_norm' is not an optimizer parameter; "
+                          "set the top-level 'gradient_clipping' instead")
     unknown = sorted(set(params) - _VALID_KEYS[kind])
     if unknown:
-        raise ConfigError(
-            f"optimizer {spec.type!r}: unknown parameter(s) {unknown}; "
-            f"valid keys: {sorted(_VALID_KEYS[kind])}"
-        )
-
+        raise ConfigError(f"optimizer {spec.type!r}: unknown parameter(s) {unknown}; "
+                          f"valid keys: {sorted(_VALID_KEYS[kind])}")
     if kind == "sgd":
         return torch.optim.SGD, params
     if kind == "adagrad":
         return torch.optim.Adagrad, params
 
     if not params.pop("bias_correction", True):
-        raise ConfigError(
-            f"optimizer {spec.type!r}: bias_correction=false is not supported by torch's Adam; "
-            "remove the key or set it to true"
-        )
+        raise ConfigError(f"optimizer {spec.type!r}: bias_correction=false is not supported by torch's Adam; "
+                          "remove the key or set it to true")
     params.pop("torch_adam", None)
     adam_w_mode = params.pop("adam_w_mode", True)
     decoupled = kind == "adamw" or bool(adam_w_mode)
@@ -87,11 +77,9 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
 
 
 def _probe(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any], device_type: str) -> bool:
-    """True if `cls(**kwargs)` builds and steps on a one-element fp32 tensor of `device_type`.
-
-    torch's support tables say which devices *should* have fused/foreach kernels;
-    only a real step proves the combination of kernel, options and build works.
-    """
+    """True if `cls(**kwargs)` builds and steps on a one-element fp32 tensor of `device_type`:
+    torch's support tables say which devices *should* have fused/foreach kernels; only a real
+    step proves the combination of kernel, options and build works."""
     p = torch.zeros(1, device=device_type, requires_grad=True)
     p.grad = torch.ones_like(p)
     try:
@@ -101,24 +89,17 @@ def _probe(cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any], device_t
     return True
 
 
-def build_optimizer(
-    spec: OptimizerSpec,
-    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-    device_type: str = "cpu",
-) -> torch.optim.Optimizer:
-    """A torch optimizer over `params` (tensors or param-group dicts) as `spec` describes.
-
-    Raises ConfigError naming the optimizer and the key for anything invalid.
-    """
+def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+                    device_type: str = "cpu") -> torch.optim.Optimizer:
+    """A torch optimizer over `params` (tensors or param-group dicts) as `spec` describes;
+    ConfigError naming the optimizer and the key for anything invalid."""
     cls, kwargs = _classify(spec)
     try:
         torch.zeros(1, device=device_type)
     except (RuntimeError, AssertionError) as e:
         raise ConfigError(f"optimizer device type {device_type!r} is not available: {e}") from e
-    kernel = next(
-        (k for k in ({"fused": True}, {"foreach": True}) if _probe(cls, {**kwargs, **k}, device_type)),
-        {"foreach": False},  # the for-loop: always available
-    )
+    kernel = next((k for k in ({"fused": True}, {"foreach": True}) if _probe(cls, {**kwargs, **k}, device_type)),
+                  {"foreach": False})  # the for-loop: always available
     try:
         return cls(list(params), **kwargs, **kernel)
     except ValueError as e:
@@ -135,12 +116,9 @@ def optimizer_kernel(opt: torch.optim.Optimizer) -> str:
 
 
 def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
-    """fp32 optimizer-state bytes per parameter, for estimates and docs.
-
-    Adam/AdamW keep exp_avg and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12),
-    SGD keeps a momentum buffer only when momentum != 0 (4 or 0), Adagrad keeps
-    the sum of squares (4). torch's scalar `step` tensors are not counted.
-    """
+    """fp32 optimizer-state bytes per parameter, for estimates and docs: Adam/AdamW keep exp_avg
+    and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12), SGD a momentum buffer only when
+    momentum != 0 (4 or 0), Adagrad the sum of squares (4). torch's scalar `step` is not counted."""
     cls, kwargs = _classify(spec)
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return 12 if kwargs.get("amsgrad") else 8

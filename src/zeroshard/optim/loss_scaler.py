@@ -23,10 +23,8 @@ __all__ = ["LossScaler", "DynamicLossScaler", "make_loss_scaler"]
 
 
 class LossScaler:
-    """A fixed scale: fp16 with `loss_scale` set, and bf16/fp32 with scale 1.0.
-
-    An overflow still skips the step (the engine's job) and is counted here.
-    """
+    """A fixed scale: fp16 with `loss_scale` set, and bf16/fp32 with scale 1.0. An overflow
+    still skips the step (the engine's job) and is counted here."""
 
     dynamic = False
 
@@ -46,11 +44,7 @@ class LossScaler:
             self.consecutive_skips = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self.consecutive_skips,
-        }
+        return {"scale": self.scale, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.scale = float(d["scale"])
@@ -66,21 +60,13 @@ class DynamicLossScaler(LossScaler):
 
     dynamic = True
 
-    def __init__(
-        self,
-        initial_scale: float = 2.0**16,
-        loss_scale_window: int = 1000,
-        hysteresis: int = 2,
-        consecutive_hysteresis: bool = False,
-        min_loss_scale: float = 1.0,
-        raise_at_min_scale: bool = False,
-    ) -> None:
+    def __init__(self, initial_scale: float = 2.0**16, loss_scale_window: int = 1000, hysteresis: int = 2,
+                 consecutive_hysteresis: bool = False, min_loss_scale: float = 1.0,
+                 raise_at_min_scale: bool = False) -> None:
         super().__init__(initial_scale)
         if loss_scale_window < 1 or hysteresis < 1 or not min_loss_scale > 0:
-            raise ConfigError(
-                "dynamic loss scaling needs loss_scale_window >= 1, hysteresis >= 1 and "
-                f"min_loss_scale > 0; got {loss_scale_window}, {hysteresis}, {min_loss_scale}"
-            )
+            raise ConfigError("dynamic loss scaling needs loss_scale_window >= 1, hysteresis >= 1 and "
+                              f"min_loss_scale > 0; got {loss_scale_window}, {hysteresis}, {min_loss_scale}")
         self.loss_scale_window = int(loss_scale_window)
         self.hysteresis = int(hysteresis)
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
@@ -97,11 +83,9 @@ class DynamicLossScaler(LossScaler):
         if overflow:
             if self.hysteresis == 1 or self.hysteresis_left == 1:
                 if self.scale == self.min_loss_scale and self.raise_at_min_scale:
-                    raise ZeroShardError(
-                        f"fp16 overflow at the minimum loss scale {self.min_loss_scale:g} "
-                        f"({self.consecutive_skips} consecutive skipped steps): training has diverged "
-                        "or needs bf16/fp32"
-                    )
+                    raise ZeroShardError(f"fp16 overflow at the minimum loss scale {self.min_loss_scale:g} "
+                                         f"({self.consecutive_skips} consecutive skipped steps): training has "
+                                         "diverged or needs bf16/fp32")
                 self.scale = max(self.scale / 2.0, self.min_loss_scale)
             else:
                 self.hysteresis_left -= 1
@@ -117,12 +101,8 @@ class DynamicLossScaler(LossScaler):
         self.iteration += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "iteration": self.iteration,
-            "last_overflow_iteration": self.last_overflow_iteration,
-            "hysteresis_left": self.hysteresis_left,
-        }
+        return {**super().state_dict(), "iteration": self.iteration,
+                "last_overflow_iteration": self.last_overflow_iteration, "hysteresis_left": self.hysteresis_left}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         super().load_state_dict(d)
@@ -137,10 +117,7 @@ def make_loss_scaler(policy: LossScalePolicy | None) -> LossScaler:
         return LossScaler(1.0)
     if not policy.dynamic:
         return LossScaler(policy.static_scale)
-    return DynamicLossScaler(
-        initial_scale=2.0**policy.initial_scale_power,
-        loss_scale_window=policy.loss_scale_window,
-        hysteresis=policy.hysteresis,
-        consecutive_hysteresis=policy.consecutive_hysteresis,
-        min_loss_scale=policy.min_loss_scale,
-    )
+    return DynamicLossScaler(initial_scale=2.0**policy.initial_scale_power,
+                             loss_scale_window=policy.loss_scale_window, hysteresis=policy.hysteresis,
+                             consecutive_hysteresis=policy.consecutive_hysteresis,
+                             min_loss_scale=policy.min_loss_scale)

@@ -70,14 +70,9 @@ class _DeepSpeedSchedule(LRScheduler):
 class WarmupLR(_DeepSpeedSchedule):
     """From `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then constant."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] | None = None,
-        warmup_num_steps: int = 1000,
-        warmup_type: str = "log",
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
+                 warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log") -> None:
         if warmup_max_lr is None:
             warmup_max_lr = float(optimizer.param_groups[0]["lr"])
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
@@ -102,15 +97,9 @@ class WarmupLR(_DeepSpeedSchedule):
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at `total_num_steps`."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        total_num_steps: int,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
-        warmup_num_steps: int = 1000,
-        warmup_type: str = "log",
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int,
+                 warmup_min_lr: float | Sequence[float] = 0.0, warmup_max_lr: float | Sequence[float] = 0.001,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log") -> None:
         self.total_num_steps = int(total_num_steps)
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
 
@@ -124,15 +113,8 @@ class WarmupDecayLR(WarmupLR):
 class WarmupCosineLR(_DeepSpeedSchedule):
     """Ratio of the optimizer's lr: warmup from `warmup_min_ratio` to 1, cosine down to `cos_min_ratio`."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        total_num_steps: int,
-        warmup_min_ratio: float = 0.0,
-        warmup_num_steps: int = 1000,
-        cos_min_ratio: float = 0.0001,
-        warmup_type: str = "log",
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log") -> None:
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
@@ -157,19 +139,14 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         return [float(base) * ratio for base in self.base_lrs]
 
 
-_SCHEDULERS: dict[str, type[LRScheduler]] = {
-    "WarmupLR": WarmupLR,
-    "WarmupDecayLR": WarmupDecayLR,
-    "WarmupCosineLR": WarmupCosineLR,
-}
+_SCHEDULERS: dict[str, type[LRScheduler]] = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
+                                              "WarmupCosineLR": WarmupCosineLR}
 _VALID_KEYS: dict[str, frozenset[str]] = {
     "WarmupLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}),
-    "WarmupDecayLR": frozenset(
-        {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}
-    ),
-    "WarmupCosineLR": frozenset(
-        {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"}
-    ),
+    "WarmupDecayLR": frozenset({"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                                "warmup_type"}),
+    "WarmupCosineLR": frozenset({"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                                 "warmup_type"}),
 }
 _DEEPSPEED_NOT_YET = frozenset({"OneCycle", "LRRangeTest"})
 
@@ -177,18 +154,14 @@ _DEEPSPEED_NOT_YET = frozenset({"OneCycle", "LRRangeTest"})
 def build_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> LRScheduler:
     """The scheduler `spec` names, over `optimizer`; ConfigError names any bad type or key."""
     if spec.type in _DEEPSPEED_NOT_YET:
-        raise NotSupportedYetError(
-            f"scheduler type {spec.type!r} is not built yet; use one of {sorted(_SCHEDULERS)}"
-        )
+        raise NotSupportedYetError(f"scheduler type {spec.type!r} is not built yet; use one of {sorted(_SCHEDULERS)}")
     if spec.type not in _SCHEDULERS:
         raise ConfigError(f"unknown scheduler type {spec.type!r}; valid types: {sorted(_SCHEDULERS)}")
     params = dict(spec.params)
     unknown = sorted(set(params) - _VALID_KEYS[spec.type])
     if unknown:
-        raise ConfigError(
-            f"scheduler {spec.type!r}: unknown parameter(s) {unknown}; "
-            f"valid keys: {sorted(_VALID_KEYS[spec.type])}"
-        )
+        raise ConfigError(f"scheduler {spec.type!r}: unknown parameter(s) {unknown}; "
+                          f"valid keys: {sorted(_VALID_KEYS[spec.type])}")
     if "total_num_steps" in _VALID_KEYS[spec.type] and "total_num_steps" not in params:
         raise ConfigError(f"scheduler {spec.type!r}: 'total_num_steps' is required")
     return _SCHEDULERS[spec.type](optimizer, **params)

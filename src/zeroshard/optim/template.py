@@ -55,16 +55,12 @@ def _prefer_fused(cls: type, defaults: dict[str, Any], device: torch.device) -> 
 def plan_optimizer(arg: OptimizerArg, spec: OptimizerSpec | None, params: list[nn.Parameter],
                    device: torch.device) -> OptimizerPlan:
     if arg is not None and spec is not None:
-        raise ConfigError(
-            "an optimizer was given both in the config ('optimizer' section) and to initialize(); "
-            "remove one of them."
-        )
+        raise ConfigError("an optimizer was given both in the config ('optimizer' section) and to initialize(); "
+                          "remove one of them.")
     if arg is None:
         if spec is None:
-            raise ConfigError(
-                "no optimizer: add an 'optimizer' section to the config (e.g. "
-                '{"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer= to initialize().'
-            )
+            raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. "
+                              '{"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer= to initialize().')
         return OptimizerPlan({id(p): 0 for p in params}, [{}],
                              lambda groups: build_optimizer(spec, groups, device.type), f"config {spec.type}")
     template = arg if isinstance(arg, torch.optim.Optimizer) else arg(params)
@@ -78,10 +74,8 @@ def plan_optimizer(arg: OptimizerArg, spec: OptimizerSpec | None, params: list[n
             group_of[id(p)] = g
     orphans = [i for i, p in enumerate(params) if id(p) not in group_of]
     if orphans:
-        raise ConfigError(
-            f"{len(orphans)} trainable parameters are in no param group of the optimizer given to "
-            "initialize(); add them to it, or set requires_grad=False on them."
-        )
+        raise ConfigError(f"{len(orphans)} trainable parameters are in no param group of the optimizer given to "
+                          "initialize(); add them to it, or set requires_grad=False on them.")
     cls = type(template)
     kwargs = _prefer_fused(cls, _constructor_kwargs(cls, template.defaults), device)
 
@@ -89,10 +83,8 @@ def plan_optimizer(arg: OptimizerArg, spec: OptimizerSpec | None, params: list[n
         try:
             return cls(groups, **kwargs)
         except TypeError as exc:
-            raise ConfigError(
-                f"cannot rebuild {cls.__name__} over the parameter shards from its defaults ({exc}); "
-                "pass a callable params -> optimizer whose class accepts its own `defaults` as keyword "
-                "arguments, or use the config's 'optimizer' section."
-            ) from None
+            raise ConfigError(f"cannot rebuild {cls.__name__} over the parameter shards from its defaults ({exc}); "
+                              "pass a callable params -> optimizer whose class accepts its own `defaults` as "
+                              "keyword arguments, or use the config's 'optimizer' section.") from None
 
     return OptimizerPlan(group_of, options, build, f"{cls.__name__} (given to initialize)")
