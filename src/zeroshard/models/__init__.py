@@ -12,10 +12,6 @@ _HOMES = {
     "GPT_PRESETS": "zeroshard.models.presets", "GPTConfig": "zeroshard.models.presets", "FrozenMLP": "zeroshard.models.mlp",
 }
 
-__all__ = [
-    "GPT", "GPT_PRESETS", "Block", "FrozenMLP", "GPTConfig", "batch_iterator", "build_gpt",
-    "global_batch", "num_parameters", "synthetic_tokens",
-]
-
+__all__ = sorted(_HOMES)
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _HOMES)

@@ -15,9 +15,7 @@ import torch
 __all__ = ["synthetic_tokens", "global_batch", "batch_iterator"]
 
 
-def synthetic_tokens(
-    num_tokens: int, vocab_size: int, seed: int = 0, noise: float = 0.1
-) -> torch.Tensor:
+def synthetic_tokens(num_tokens: int, vocab_size: int, seed: int = 0, noise: float = 0.1) -> torch.Tensor:
     """A learnable token stream: walk a fixed random cycle through the vocabulary.
 
     Each token is followed by its successor on the cycle with probability
@@ -35,14 +33,8 @@ def synthetic_tokens(
     return cycle[pos % vocab_size]
 
 
-def global_batch(
-    tokens: torch.Tensor,
-    batch_size: int,
-    seq_len: int,
-    step: int,
-    world_size: int = 1,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, step: int, world_size: int = 1,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole (world_size * batch_size, seq_len) batch of `step`: inputs and next-token targets."""
     rows = world_size * batch_size
     if tokens.numel() < seq_len + 2:
@@ -54,19 +46,10 @@ def global_batch(
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-def batch_iterator(
-    tokens: torch.Tensor,
-    batch_size: int,
-    seq_len: int,
-    rank: int = 0,
-    world_size: int = 1,
-    seed: int = 0,
-    steps: int | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank `rank`'s (x, y) micro-batches: rows rank*b:(rank+1)*b of each global batch.
-
-    Endless unless `steps` is given.
-    """
+def batch_iterator(tokens: torch.Tensor, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
+                   seed: int = 0, steps: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank `rank`'s (x, y) micro-batches: rows rank*b:(rank+1)*b of each global batch; endless
+    unless `steps` is given."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world_size {world_size}")
     step = 0

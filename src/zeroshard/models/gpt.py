@@ -31,8 +31,6 @@ from zeroshard.models.presets import GPT_PRESETS, GPTConfig
 __all__ = ["GPTConfig", "GPT", "Block", "GPT_PRESETS", "build_gpt", "num_parameters"]
 
 
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -46,9 +44,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -112,9 +108,8 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for every position, and the mean cross-entropy when targets are given."""
         T = idx.size(1)
         if T > self.config.block_size:
@@ -145,6 +140,5 @@ def build_gpt(preset: str | GPTConfig) -> GPT:
 
 
 def num_parameters(model: nn.Module, trainable_only: bool = False) -> int:
-    """Parameter count with shared (tied) Parameters counted once."""
-    # model.parameters() already deduplicates shared Parameters by identity.
+    """Parameter count with shared (tied) Parameters counted once (`parameters()` deduplicates them)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -20,15 +20,8 @@ __all__ = ["FrozenMLP"]
 class FrozenMLP(nn.Module):
     """`n_layers` Linear layers with Tanh between them; layers listed in `frozen` do not train."""
 
-    def __init__(
-        self,
-        d_in: int = 16,
-        d_hidden: int = 32,
-        d_out: int = 8,
-        n_layers: int = 4,
-        frozen: Iterable[int] = (0,),
-        with_unused: bool = False,
-    ) -> None:
+    def __init__(self, d_in: int = 16, d_hidden: int = 32, d_out: int = 8, n_layers: int = 4,
+                 frozen: Iterable[int] = (0,), with_unused: bool = False) -> None:
         super().__init__()
         if n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {n_layers}")
@@ -42,9 +35,7 @@ class FrozenMLP(nn.Module):
         # Registered but never called in forward: it never receives a gradient.
         self.unused = nn.Linear(d_hidden, d_hidden) if with_unused else None
 
-    def forward(
-        self, x: torch.Tensor, y: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
