@@ -25,8 +25,8 @@ def full_state_dict(ts: TrainState, sharded: bool) -> dict[str, torch.Tensor]:
     """{name: full fp32 tensor on CPU}, trainable values from the fp32 masters (`sharded`: each
     rank holds a slice of them), gathered one bucket at a time (peak: one bucket in fp32). Tied
     parameters appear under each of their names. A collective: every rank must call it."""
-    where = {id(p): (b, s) for b, bucket in enumerate(ts.buckets) for s, p in enumerate(bucket.params)}
-    frozen = {id(p): (b, s) for b, bucket in enumerate(ts.frozen_buckets) for s, p in enumerate(bucket.params)}
+    where = {id(p): (bucket, slot) for bucket in [*ts.buckets, *ts.frozen_buckets]
+             for slot, p in zip(bucket.slots, bucket.params)}
     full_of: dict[int, torch.Tensor] = {}
     masters = (ts.optimizer.master_value(b) for b in range(len(ts.buckets)))  # one at a time (nvme)
     for bucket, full in full_fp32_buckets(ts.buckets, masters, ts.comm, sharded):
@@ -36,10 +36,8 @@ def full_state_dict(ts: TrainState, sharded: bool) -> dict[str, torch.Tensor]:
             full_of[id(bucket)] = full.float().cpu()
     out: dict[str, torch.Tensor] = {}
     for name, t in ts.module.state_dict(keep_vars=True).items():
-        if id(t) in where or id(t) in frozen:
-            b, s = where[id(t)] if id(t) in where else frozen[id(t)]
-            bucket = ts.buckets[b] if id(t) in where else ts.frozen_buckets[b]
-            slot = bucket.slots[s]
+        if id(t) in where:
+            bucket, slot = where[id(t)]
             out[name] = full_of[id(bucket)][slot.offset : slot.end].view(slot.shape).clone()
         else:
             t = t.detach()
