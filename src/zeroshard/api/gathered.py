@@ -19,6 +19,7 @@ from torch import nn
 
 from zeroshard.comm import Comm, CommLedger, setup_topology
 from zeroshard.partition.param_shards import shard_of, shard_parameter
+from zeroshard.policies import RuntimePolicy
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -88,8 +89,12 @@ class GatheredParameters:
 
     # -- before initialize(): parameters sharded one by one by zeroshard.Init ------------------
     def _comm(self) -> Comm:
-        topology = setup_topology(600.0)
-        return Comm(topology, CommLedger(topology.world_size), 600.0)
+        """Collectives for parameters `zeroshard.Init` sharded, with the `comm_timeout_s` of the
+        config it was given (the default's where a shard does not say)."""
+        timeout_s = max((t for p in self._init_params if (t := shard_of(p).timeout_s) is not None),
+                        default=RuntimePolicy().comm_timeout_s)
+        topology = setup_topology(timeout_s)
+        return Comm(topology, CommLedger(topology.world_size), timeout_s)
 
     def _enter_init(self) -> None:
         from zeroshard.partition.param_shards import materialize
@@ -105,4 +110,6 @@ class GatheredParameters:
         for p in self._init_params:
             if self.modifier_rank is not None and comm.world_size > 1:
                 comm.broadcast(p.data, self.modifier_rank, what="GatheredParameters (Init)").wait()
-            shard_parameter(p, comm.rank, comm.world_size)
+            shard_parameter(p, comm.rank, comm.world_size, comm.timeout_s)
+        if comm is not None:
+            comm.topology.release_group()  # the group setup_topology made on a user's default group

@@ -68,7 +68,7 @@ class Init:
             if self.comm.world_size > 1:
                 self.comm.broadcast(full, 0, what=f"initial value of {type(child).__name__}.{pname}").wait()
             self.peak_bytes = max(self.peak_bytes, full.numel() * full.element_size())
-            entry = shard_parameter(param, self.comm.rank, self.comm.world_size)
+            entry = shard_parameter(param, self.comm.rank, self.comm.world_size, self.comm.timeout_s)
             self.shard_bytes += entry.shard.numel() * entry.shard.element_size()
         return None
 
@@ -97,4 +97,4 @@ class _ShardedCalls(TorchFunctionMode):
             for p in sharded:
                 if self.comm.world_size > 1:
                     self.comm.broadcast(p.data, 0, what="a write to a parameter under zeroshard.Init").wait()
-                shard_parameter(p, self.comm.rank, self.comm.world_size)
+                shard_parameter(p, self.comm.rank, self.comm.world_size, self.comm.timeout_s)

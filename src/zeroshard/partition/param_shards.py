@@ -25,6 +25,7 @@ class ParamShard:
     shard: torch.Tensor  # this rank's slice of the flattened, padded value
     numel: int
     world_size: int
+    timeout_s: float | None = None  # comm_timeout_s of the run that sharded it (its collectives' limit)
 
 
 # id(param) -> (weak reference, shard). Not a WeakKeyDictionary: it compares keys with ==,
@@ -32,13 +33,14 @@ class ParamShard:
 _SHARDS: dict[int, tuple[weakref.ref, ParamShard]] = {}
 
 
-def shard_parameter(param: nn.Parameter, rank: int, world_size: int) -> ParamShard:
-    """Keep rank `rank`'s slice of `param` and free the rest."""
+def shard_parameter(param: nn.Parameter, rank: int, world_size: int, timeout_s: float | None = None) -> ParamShard:
+    """Keep rank `rank`'s slice of `param` and free the rest; `timeout_s`: the sharding run's
+    `comm_timeout_s`, which a later gather of it (`GatheredParameters` before `initialize`) keeps."""
     flat = param.detach().reshape(-1)
     per_rank = -(-flat.numel() // world_size)
     padded = torch.zeros(per_rank * world_size, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()].copy_(flat)
-    entry = ParamShard(padded[rank * per_rank : (rank + 1) * per_rank].clone(), flat.numel(), world_size)
+    entry = ParamShard(padded[rank * per_rank : (rank + 1) * per_rank].clone(), flat.numel(), world_size, timeout_s)
     param.data = placeholder(param.shape, param.dtype, param.device)
     key = id(param)
     _SHARDS[key] = (weakref.ref(param, lambda _: _SHARDS.pop(key, None)), entry)
