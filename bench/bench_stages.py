@@ -54,8 +54,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from distributed import run_ranks  # noqa: E402  (the one rank spawner: tests and benches)
+from zeroshard.bench.ranks import run_ranks  # the one rank spawner: tests and benches
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.01
 BUCKET_MB = 25  # DDP's default bucket_cap_mb

@@ -26,12 +26,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import torch  # noqa: E402
+import torch
 
 CONFIGS = {
     "stage 3": {},
@@ -145,7 +142,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    from distributed import run_ranks
+    from zeroshard.bench.ranks import run_ranks
 
     preset, steps = ("tiny", 3) if args.quick else ("mini", 8)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; model GPT '{preset}', 4 gloo ranks as 2 nodes x 2")

@@ -942,7 +942,7 @@ def _ranks_main(rank, world, spec):
 
 
 def run_form(world, spec, out, key):
-    from distributed import run_ranks
+    from zeroshard.bench.ranks import run_ranks
 
     t0 = time.perf_counter()
     try:

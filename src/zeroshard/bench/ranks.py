@@ -1,0 +1,106 @@
+"""Run a function on N real ranks (gloo process group), with a hard timeout: the one rank
+spawner of the test suite (tests/distributed.py) and the scripts in bench/.
+
+Each rank is a spawned process with torchrun's environment variables set, so the code under
+test creates (or finds) the process group exactly as it does under torchrun. A rank that
+raises fails the call with its traceback; ranks that hang are killed after `timeout` seconds
+and the call fails instead of freezing CI. Imports nothing of zeroshard (`--help` stays fast).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from queue import Empty as queue_empty
+from typing import Any, Callable
+
+__all__ = ["free_port", "from_wire", "rank_entry", "run_ranks", "to_wire"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def to_wire(obj):
+    """Tensors travel as numpy arrays: pickled by value, not by shared-memory handles
+    that die with the child process."""
+    import torch
+
+    if torch.is_tensor(obj):
+        t = obj.detach().cpu()
+        return ("__tensor__", (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy(), str(t.dtype))
+    if isinstance(obj, dict):
+        return {k: to_wire(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_wire(v) for v in obj)
+    return obj
+
+
+def from_wire(obj):
+    import torch
+
+    if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == "__tensor__":
+        t = torch.from_numpy(obj[1])
+        return t.to(getattr(torch, obj[2].replace("torch.", "")))
+    if isinstance(obj, dict):
+        return {k: from_wire(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_wire(v) for v in obj)
+    return obj
+
+
+def rank_entry(fn, rank, world_size, port, args, queue, env) -> None:
+    """A spawned rank: torchrun's variables, one torch thread, fn's result or error to `queue`."""
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, to_wire(result)))
+    except BaseException as exc:  # report everything, including SystemExit, to the parent
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 240,
+              env: dict[str, str] | None = None, allow_failures: bool = False) -> list[Any]:
+    """fn(rank, world_size, *args) on each rank; returns the per-rank results in rank order.
+
+    With `allow_failures`, a rank's exception text is returned in place of its result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_entry, args=(fn, r, world_size, port, args, queue, env or {}), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except queue_empty:
+                missing = sorted(set(range(world_size)) - set(results) - set(failures))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
+            (results if ok else failures)[rank] = from_wire(value) if ok else value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if failures and not allow_failures:
+        raise AssertionError("\n".join(f"rank {r} failed: {t}" for r, t in sorted(failures.items())))
+    merged = {**results, **failures}
+    return [merged[r] for r in range(world_size)]
