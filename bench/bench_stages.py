@@ -308,8 +308,8 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.25, window: float = 2.0
 
 
 def spawn_ranks(fn, payload: tuple, world: int = 2, timeout: float = 900) -> dict[int, dict]:
-    """fn(rank, world, *payload) on `world` spawned ranks (tests/distributed.py's spawner, one thread
-    each); their results, with peak RSS, by rank."""
+    """fn(rank, world, *payload) on `world` spawned ranks (zeroshard.bench.ranks, the tests' spawner too, one
+    thread each); their results, with peak RSS, by rank."""
     return dict(enumerate(run_ranks(_measured, world, fn, *payload, timeout=timeout)))
 
 
