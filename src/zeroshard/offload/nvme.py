@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.offload.aio import Handle, IOEngine, align_up, aligned_empty, self_test
+from zeroshard.offload.read_ahead import WRITE_BUFFERS, ReadAhead
 from zeroshard.offload.nvme_disk import PREFIX, aio_settings, check_path, check_space, sweep_stale
 from zeroshard.offload.tiers import Home, Tier
 from zeroshard.partition.flat_bucket import placeholder
@@ -78,7 +79,7 @@ class NvmeTier(Tier):
         self._regions: dict[int, tuple[Region, torch.Tensor]] = {}  # id(placeholder) -> (region, placeholder)
         self._closed = False
         self._lock = threading.Lock()
-        self.ahead = _ReadAhead(self, *read_ahead) if read_ahead[0] > 0 else None
+        self.ahead = ReadAhead(self, *read_ahead) if read_ahead[0] > 0 else None
         self.startup_lines: list[str] = []
         atexit.register(self.close)
 
@@ -108,6 +109,8 @@ class NvmeTier(Tier):
             lines.append(f"nvme parameter read-ahead: {self.ahead.count} host buffer(s) (offload_param.buffer_count) "
                          f"of up to {self.ahead.numel:,} elements (buffer_size); shards are read ahead of their gather "
                          "in the order gathers came in earlier passes; larger shards are read when gathered; "
+                         f"updated shards are written behind through {WRITE_BUFFERS} more such buffer(s), and a read "
+                         "of a shard whose write is still running is served from the buffer holding it; "
                          "max_in_cpu: no cache beyond these buffers")
         self.startup_lines = lines + [f"  {line}" for line in self.aio_lines]
         return self.startup_lines
@@ -188,11 +191,10 @@ class NvmeTier(Tier):
         if region is None:  # an ordinary tensor (e.g. a device shard) takes the values by copy
             super().store(home, work)
             return
-        if self.ahead is not None and id(home) in self.ahead.inflight:  # its old values are on their way
-            self.ahead.tier.wait(self.ahead.inflight[id(home)][1])
-        self.wait(self.write(region, work.detach().to(device="cpu", dtype=home.dtype).contiguous()))
-        if self.ahead is not None:
-            self.ahead.refresh(home)
+        work = work.detach().to("cpu")
+        if self.ahead is not None and self.ahead.store(home, region, work):
+            return  # written behind; until it lands, reads of it are served from its buffer
+        self.wait(self.write(region, work.to(dtype=home.dtype).contiguous()))
 
     def same_memory(self, device: torch.device) -> bool:
         return False
@@ -226,103 +228,6 @@ class NvmeHome(Home):
 
     def write(self, value: torch.Tensor, asynchronous: bool = False) -> None:
         self.tier.store(self.tensor, value)
-
-
-class _ReadAhead:
-    """Reads shards ahead of their fetch, in the order fetches came before: each fetch records
-    which shard followed the previous two (two, because a stage-3 pass fetches a shard in
-    forward and again in backward, so one shard alone has two successors), and starts reading
-    the next `count` shards of that chain into a pool of `count` aligned host buffers (shards
-    over `numel` elements are read when fetched). A predicted fetch waits only for what is
-    left of its read. A store refreshes a read-ahead copy of the shard it overwrites."""
-
-    def __init__(self, tier: NvmeTier, count: int, numel: int) -> None:
-        self.tier, self.count, self.numel = tier, count, numel
-        self.after: dict[tuple, int] = {}  # (id before, id) -> id of the home fetched next last time
-        self.context: tuple = (None, None)  # the last two fetched
-        self.inflight: dict[int, tuple[torch.Tensor, Handle]] = {}
-        self.free: list[torch.Tensor] = []
-        self.buffers = 0
-        self.buffer_bytes = 0
-        self.hits = self.misses = 0
-        self.wait_s = 0.0
-        self.ledger = None  # a MemoryLedger, when the caller wants the pool counted
-
-    def fetch(self, home: torch.Tensor, region: Region) -> torch.Tensor:
-        key = id(home)
-        if self.context[1] is not None:
-            self.after[self.context] = key
-        self.context = (self.context[1], key)
-        entry = self.inflight.pop(key, None)
-        nbytes = home.numel() * home.element_size()
-        if entry is not None:
-            buf, handle = entry
-            self.tier.wait(handle)
-            self.wait_s += handle.wait_s
-            out = buf[:nbytes].view(home.dtype).view(home.shape).clone()
-            self.free.append(buf)
-            self.hits += 1
-        else:
-            out = torch.empty(home.shape, dtype=home.dtype)
-            handle = self.tier.read(region, out)
-            self.tier.wait(handle)
-            self.wait_s += handle.wait_s
-            self.misses += 1
-        self._ahead(key)
-        return out
-
-    def _ahead(self, key: int) -> None:
-        window, state = [], self.context
-        for _ in range(2 * self.count):
-            k = self.after.get(state)
-            if k is None or len(window) >= self.count:
-                break
-            if k != key and k not in window:
-                window.append(k)
-            state = (state[1], k)
-        for other in [o for o in self.inflight if o not in window]:  # the order changed: drop them
-            self._drop(other)
-        if not self.buffer_bytes:
-            sizes = [r.nbytes for _, r, h in self.tier.placed() if h.numel() <= self.numel]
-            self.buffer_bytes = max(sizes or [0])
-        for k in window:
-            region = self.tier.region_by_key(k)
-            if k in self.inflight or region is None:
-                continue
-            if region.nbytes > self.buffer_bytes:
-                continue
-            buf = self._buffer()
-            if buf is None:
-                break
-            self.inflight[k] = (buf, self.tier.read(region, buf[:region.nbytes]))
-
-    def _buffer(self) -> torch.Tensor | None:
-        if self.free:
-            return self.free.pop()
-        if self.buffers >= self.count or not self.buffer_bytes:
-            return None
-        self.buffers += 1
-        if self.ledger is not None:
-            self.ledger.hold("comm_buffers", "nvme_param_read_ahead", self.buffers * self.buffer_bytes, tier="host")
-        return aligned_empty(self.buffer_bytes)
-
-    def _drop(self, key: int) -> None:
-        buf, handle = self.inflight.pop(key)
-        self.tier.wait(handle)
-        self.free.append(buf)
-
-    def refresh(self, home: torch.Tensor) -> None:
-        """`home` was just rewritten: a read-ahead copy of it is read again."""
-        key = id(home)
-        if key in self.inflight:
-            buf, handle = self.inflight.pop(key)
-            self.tier.wait(handle)
-            region = self.tier.region_by_key(key)
-            self.inflight[key] = (buf, self.tier.read(region, buf[:region.nbytes]))
-
-    def drop_all(self) -> None:
-        for key in list(self.inflight):
-            self._drop(key)
 
 
 __all__ = ["NvmeHome", "NvmeTier", "Region", "aio_settings", "aligned_empty", "check_path", "check_space",

@@ -8,10 +8,19 @@ sub-group; around each sub-group this pipeline
 
     swap_in(k)   waits for sub-group k's read, binds masters and states to its host buffer
                  (`.data` of the very tensors the torch optimizer holds), then starts reading
-                 sub-group k+1 into the next buffer;
-    swap_out(k)  starts writing k's buffer back and puts the placeholders back;
+                 the sub-group that came after k last step into the buffer used longest ago;
+    swap_out(k)  starts writing k's buffer back and puts the placeholders back; the buffer
+                 keeps k's values until it is taken for another sub-group (a swap_in of k
+                 before then reads nothing);
+    end_step()   the order of this step's swap_ins becomes the order read ahead along, and the
+                 first sub-group of the next step starts coming in; writes are not waited for
+                 (they land while the next forward runs);
 
-so reading k+1, stepping k and writing k-1 overlap. The host buffers are `slots` aligned
+so reading the next, stepping k and writing the previous overlap, in whatever order the
+sub-groups step: 0, 1, 2 after backward, or the units' reverse order when they step during
+backward as their gradients become final (`can_step_early`). A file region is never read
+while a write of it is in flight: a sub-group's regions are written only from the buffer
+that holds its values, and that buffer's writes are waited for before it takes another. The host buffers are `slots` aligned
 buffers of the largest sub-group's (1 + K) x elements x 4 bytes (K: the optimizer's
 per-element states, found by stepping a probe once); 3 slots give the full overlap, 2 read
 ahead only, 1 is serial. Host-resident optimizer bytes never exceed the slots (the first step
@@ -67,6 +76,7 @@ class _Slot:
         self.in_use = False  # bound to the optimizer's tensors (between swap_in and swap_out)
         self.reads: list[Handle] = []
         self.writes: list[Handle] = []
+        self.tick = -1  # when it was last taken or used: the one used longest ago is taken next
 
 
 class SwapPipeline:
@@ -84,18 +94,46 @@ class SwapPipeline:
         self._states: dict[tuple[int, str], Region] = {}
         self._memory = memory
         self.io_wait_s = 0.0
+        self._order: list[int] = []  # the sub-groups in the order they stepped last step
+        self._next: dict[int, int] = {}  # sub-group -> the one after it in that order (the last: the first)
+        self._seq: list[int] = []  # this step's order so far
+        self._clock = 0
+        self.reused = 0  # swap_ins whose values were still in a buffer (no read)
         # staging, not model state: with the other I/O buffers (NVMe read-ahead, activation staging),
         # so the model states and the summary's plain-DP baseline count the states themselves
         memory.hold("comm_buffers", "nvme_swap_buffers", 0, tier="host")
 
     # -- buffers -----------------------------------------------------------------------------
-    def _slot(self, k: int) -> _Slot:
-        slot = self._slots[k % self.slots_used]
+    def _slot_of(self, k: int) -> _Slot | None:
+        """The buffer holding (or receiving) sub-group k's values, if any."""
+        return next((s for s in self._slots if s.sub_group == k), None)
+
+    def _claim(self) -> _Slot | None:
+        """The buffer used longest ago among those not bound to the optimizer, its I/O finished."""
+        free = [s for s in self._slots if not s.in_use]
+        if not free:
+            return None
+        slot = min(free, key=lambda s: s.tick)
+        self._wait(slot.writes)
+        self._wait(slot.reads)
+        slot.sub_group = -1
         if slot.buffer is None and self.slot_bytes:
             slot.buffer = aligned_empty(self.slot_bytes, torch.float32)
             self._memory.hold("comm_buffers", "nvme_swap_buffers",
                               sum(s.buffer.numel() * 4 for s in self._slots if s.buffer is not None), tier="host")
         return slot
+
+    def _touch(self, slot: _Slot) -> None:
+        slot.tick, self._clock = self._clock, self._clock + 1
+
+    def _after(self, k: int) -> int | None:
+        """The sub-group expected to step after k: last step's order, or on the first step the
+        direction this step has gone so far."""
+        if k in self._next:
+            return self._next[k]
+        down = len(self._seq) >= 2 and self._seq[-1] < self._seq[-2]
+        nxt = k - 1 if down else k + 1
+        return nxt if 0 <= nxt < len(self.sub_groups) else None
 
     def _views(self, slot: _Slot, k: int, whole: bool = False) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """(b, [master view, state views...]) of sub-group k's swapped buckets in `slot`; with
@@ -129,16 +167,17 @@ class SwapPipeline:
         handles.clear()
 
     # -- the pipeline --------------------------------------------------------------------------
-    def prefetch(self, k: int) -> None:
-        """Start reading sub-group k into its buffer (after that buffer's last write is done)."""
-        if k >= len(self.sub_groups) or not any(self.swapped[b] for b in self.sub_groups[k]):
+    def prefetch(self, k: int | None) -> None:
+        """Start reading sub-group k into a buffer (after that buffer's last writes are done)."""
+        if k is None or k >= len(self.sub_groups) or not any(self.swapped[b] for b in self.sub_groups[k]):
             return
-        slot = self._slot(k)
-        if slot.sub_group == k or slot.in_use:  # already coming, or still stepping (1 slot): read it later
+        if self._slot_of(k) is not None:  # coming, or its values are still in a buffer
             return
-        self._wait(slot.writes)
-        self._wait(slot.reads)
+        slot = self._claim()
+        if slot is None:  # every buffer is bound (1 slot, stepping): read it at its swap_in
+            return
         slot.sub_group = k
+        self._touch(slot)
         for b, views in self._views(slot, k, whole=True):
             slot.reads.append(self.tier.read(self.tier.region_of(self.masters[b]), views[0]))
             for name, view in zip(self.state_names(b), views[1:]):
@@ -146,25 +185,30 @@ class SwapPipeline:
 
     def swap_in(self, k: int) -> None:
         """Sub-group k's masters and states are in host memory, in the tensors the optimizer holds."""
+        self._seq.append(k)
         if not any(self.swapped[b] for b in self.sub_groups[k]):
-            self.prefetch(k + 1)
+            self.prefetch(self._after(k))
             return
+        slot = self._slot_of(k)
+        if slot is not None and not slot.reads:
+            self.reused += 1
         self.prefetch(k)
-        slot = self._slot(k)
+        slot = self._slot_of(k)
         self._wait(slot.reads)
         slot.in_use = True
+        self._touch(slot)
         for b, views in self._views(slot, k):
             self.masters[b].data = views[0]
             state = self.optimizer.state.get(self.masters[b], {})
             for name, view in zip(self.state_names(b), views[1:]):
                 state[name].data = view
-        self.prefetch(k + 1)
+        self.prefetch(self._after(k))
 
     def swap_out(self, k: int) -> None:
         """Start writing sub-group k back; masters and states become placeholders again."""
         if not any(self.swapped[b] for b in self.sub_groups[k]):
             return
-        slot = self._slot(k)
+        slot = self._slot_of(k)
         for b, views in self._views(slot, k):
             m = self.masters[b]
             state = self.optimizer.state.get(m, {})
@@ -183,17 +227,27 @@ class SwapPipeline:
             m.data = placeholder(m.shape, m.dtype)
             for name in names:
                 state[name].data = placeholder(m.shape, torch.float32)
-        slot.sub_group, slot.in_use = -1, False  # on their way home; a re-read is needed to use them
+        slot.in_use = False  # on their way home; the buffer keeps the values until it is taken
+        self._touch(slot)
+
+    def end_step(self) -> None:
+        """This step's order is the one to read ahead along; the next step's first sub-group
+        starts coming in. Writes still running land while the next forward runs."""
+        if self._seq:
+            self._order, self._seq = self._seq, []
+            self._next = {k: self._order[(i + 1) % len(self._order)] for i, k in enumerate(self._order)}
+            self.prefetch(self._order[0])
 
     def drain(self) -> None:
-        """Every write finished: the files hold the whole optimizer state."""
+        """Every read and write finished: the files hold the whole optimizer state, and no
+        buffer is taken for a sub-group (the next swap_in reads from the file)."""
         for slot in self._slots:
             self._wait(slot.reads)
             self._wait(slot.writes)
             slot.sub_group = -1
 
     # -- outside the step: one bucket at a time ------------------------------------------------
-    can_step_early = False  # the pipeline runs the sub-groups in order, after backward
+    can_step_early = True  # sub-groups step in any order; the read-ahead follows last step's
 
     def master_value(self, b: int) -> torch.Tensor:
         """Bucket b's master values: a fresh tensor read from the file, or the master itself
@@ -248,6 +302,7 @@ class SwapPipeline:
     def _spill(self, b: int, states: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Write bucket b's in-memory master (and `states`, or its optimizer states) to the file
         and leave placeholders; `states` is returned with placeholders in place of what went."""
+        self.drain()  # no buffer keeps values the file is about to replace
         m = self.masters[b]
         if m.numel() > 0 and m.stride() != (0,) and m.dim() == 1:
             self.tier.wait(self.tier.write(self.tier.region_of(m), m.detach().contiguous()))

@@ -104,14 +104,14 @@ class ShardedOptimizer:
             self.store.swap_in(k)  # nvme: and starts reading sub-group k+1
             self._step_sub_group(k, grads, scale, after_bucket)
             self.store.swap_out(k)  # nvme: written while sub-group k+1 steps
-        self.store.drain()
+        self.store.end_step()  # nvme: writes land during the next forward; the next step's first read starts
         self.forget_early()
         self._count_states()
 
     @property
     def can_step_early(self) -> bool:
         """Whether sub-groups may step one by one as their gradients become final (during
-        backward): not when their states stream through the NVMe pipeline, which runs in order."""
+        backward): the NVMe pipeline reads ahead along the order they stepped in last step."""
         return self.store.can_step_early
 
     def forget_early(self) -> None:
@@ -145,7 +145,10 @@ class ShardedOptimizer:
             return
         while self._queued:
             k, staged = self._queued.pop(0)
-            self._step_sub_group(k, self._staging.finish(staged), scale, after_bucket)
+            grads = self._staging.finish(staged)
+            self.store.swap_in(k)  # nvme: and starts reading the sub-group expected next
+            self._step_sub_group(k, grads, scale, after_bucket)
+            self.store.swap_out(k)
         self._count_states()  # a first step creates states: the ledger sees them when they exist
 
     def _step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float,
@@ -227,6 +230,7 @@ class ResidentStates:
 
     def swap_in(self, k: int) -> None: ...
     def swap_out(self, k: int) -> None: ...
+    def end_step(self) -> None: ...
     def drain(self) -> None: ...
     def after_load(self) -> None: ...
     def close(self) -> None: ...

@@ -194,11 +194,11 @@ def step_during_backward(settings: Settings, optimizer_can: bool) -> tuple[bool,
         forbid.append(f"gradient_clipping = {settings.gradient_clipping:g} needs the global norm first")
     if settings.precision.loss_scale is not None:
         forbid.append("fp16 loss scaling must see every gradient for overflow first")
-    if settings.zero.offload_param.device == OffloadDevice.NVME:
-        forbid.append("offload_param nvme reads parameter shards ahead along the recorded order, "
-                      "which an update during backward would overtake")
+    # offload_param nvme reads shards ahead along the recorded order while backward's updates
+    # write them: offload/read_ahead.py waits a read before a write of the same shard and serves
+    # reads of a shard being written from the buffer that holds its new values
     if not optimizer_can:
-        forbid.append("the NVMe tier pipelines the sub-groups in order after backward")
+        forbid.append("the optimizer's state store steps its sub-groups in order after backward")
     if asked is False:
         return False, "after backward (zeroshard.step_during_backward = false)"
     if forbid:
