@@ -1,4 +1,4 @@
-"""comm.quantization walks the blocks in cache-sized chunks (issue 24): the payload and scales
+"""comm.quantization's torch ops (quantize_torch, the reference of the fused kernel) walk the blocks in cache-sized chunks (issue 24): the payload and scales
 do not depend on the chunk size, every block is quantized (the error bound holds for each),
 and dequantizing into a caller's `out=` gives what a fresh tensor gets."""
 
@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zeroshard.comm.quantization as quantization
-from zeroshard.comm import dequantize, plan_blocks, quantize
+from zeroshard.comm import plan_blocks
+from zeroshard.comm.quantization import dequantize_torch as dequantize
+from zeroshard.comm.quantization import quantize_torch as quantize
 
 QMAX = {8: 127, 4: 7}
 

@@ -15,6 +15,12 @@ about CHUNK_ELEMENTS values, so the second read of a chunk (absmax, then scale a
 its fp32 working buffer stay in cache and no full-size float temporary is allocated; the
 payload is written in place. Dequantization converts the payload straight into the caller's
 output (`out=`) and scales it there: one write of the output, no temporary of its size.
+
+On CPU tensors (fp32, bf16; contiguous) both run comm.quantize_native's fused C kernel when it
+builds: the same payload, scales and values bit for bit (tests/test_quantize_native.py), in
+one pass per block each way instead of five to seven. `quantize_torch` / `dequantize_torch`
+are the torch formulation, run where the kernel does not apply (GPU tensors, fp16, no C
+compiler) and kept as the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import threading
 
 import torch
 
+from zeroshard.comm import quantize_native as native
 from zeroshard.comm.blocks import QMAX as _QMAX
 from zeroshard.comm.blocks import Blocks
 
@@ -90,12 +97,60 @@ def _chunks(count: int, size: int) -> tuple[int, range]:
     return per, range(0, count, per)
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernel_for(*tensors: torch.Tensor):
+    """The fused kernel where it applies to these tensors (CPU, contiguous), else None."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    return native.kernel()
+
+
 def quantize(x: torch.Tensor, blocks: Blocks,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`x`: (rows, n) or (n,). Returns (payload, scales): payload int8 of shape
     (rows, payload_bytes) (int4: two values per byte, low nibble first, stored as int8 bits),
     scales fp32 (rows, count); written into `out` (payload, scales) of those shapes when given
     (int8 only: int4 packs into a new tensor)."""
+    rows = x.reshape(-1, blocks.n)
+    r = rows.shape[0]
+    given = out is not None and blocks.bits == 8
+    lib = _kernel_for(rows, *(out if given else ())) if x.dtype in _NATIVE_DTYPES else None
+    if lib is None:
+        return quantize_torch(x, blocks, out)
+    if given:
+        payload, scales = out[0].view(r, blocks.payload_bytes), out[1].view(r, blocks.count)
+    else:
+        payload = torch.empty(r, blocks.payload_bytes, dtype=torch.int8)
+        scales = torch.empty(r, blocks.count, dtype=torch.float32)
+    if lib.zs_quantize(rows.data_ptr(), int(x.dtype == torch.bfloat16), blocks.n, blocks.count, blocks.size,
+                       blocks.bits, payload.data_ptr(), scales.data_ptr(), 0, r * blocks.count):
+        raise MemoryError(f"quantize: no memory for a working block of {blocks.size} values")
+    return payload, scales
+
+
+def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `quantize`: (rows, n) in `dtype` (computed in fp32), written into `out`
+    ((rows, n) of `dtype`, e.g. the all-gather's output) when given."""
+    r = scales.shape[0]
+    dst = torch.empty(r, blocks.n, dtype=dtype, device=payload.device) if out is None else out.view(r, blocks.n)
+    native_ok = dst.dtype in _NATIVE_DTYPES and scales.dtype == torch.float32 and payload.dtype == torch.int8
+    lib = _kernel_for(payload, scales, dst) if native_ok else None
+    if lib is None:
+        return dequantize_torch(payload, scales, blocks, dtype, dst)
+    if payload.numel() != r * blocks.payload_bytes or scales.numel() != r * blocks.count:
+        raise ValueError(f"dequantize: {payload.numel()} payload bytes and {scales.numel()} scales for {r} rows "
+                         f"of {blocks.payload_bytes} and {blocks.count}; pass quantize's (payload, scales)")
+    lib.zs_dequantize(payload.data_ptr(), scales.data_ptr(), blocks.bits, blocks.n, blocks.count, blocks.size,
+                      dst.data_ptr(), int(dst.dtype == torch.bfloat16), 0, r * blocks.count)
+    return dst
+
+
+def quantize_torch(x: torch.Tensor, blocks: Blocks,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` in torch ops (any device and floating dtype): the reference."""
     rows = x.reshape(-1, blocks.n)
     r, count, size, n = rows.shape[0], blocks.count, blocks.size, blocks.n
     if out is not None and blocks.bits == 8:
@@ -129,10 +184,9 @@ def quantize(x: torch.Tensor, blocks: Blocks,
     return packed.to(torch.uint8).view(torch.int8), scales
 
 
-def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
-               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of `quantize`: (rows, n) in `dtype` (computed in fp32), written into `out`
-    ((rows, n) of `dtype`, e.g. the all-gather's output) when given."""
+def dequantize_torch(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
+                     dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`dequantize` in torch ops: the reference."""
     r, count, size, n = scales.shape[0], blocks.count, blocks.size, blocks.n
     out = torch.empty(r, n, dtype=dtype, device=payload.device) if out is None else out.view(r, n)
     if blocks.bits == 8:
