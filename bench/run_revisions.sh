@@ -1,46 +1,72 @@
 #!/usr/bin/env bash
 # The peer harness on two revisions of zeroshard side by side, for a change that must leave
-# behaviour and speed alone (issue 26): each round runs DDP, FSDP2, zs2 and zs3 at the working
-# tree and zs2, zs3 at BEFORE (checked out in a git worktree, put first on PYTHONPATH), the
-# order reversed every other round, and prints zs2/DDP and zs3/FSDP2 for both revisions.
+# behaviour and speed alone (issue 26): each round runs the baselines (PEERS) and the zeroshard
+# systems (SYSTEMS) on AFTER (the working tree unless given) and SYSTEMS on BEFORE, each
+# revision from a git worktree put first on PYTHONPATH, the order reversed every other round;
+# then per round the median step times, and each zeroshard system after / before (and over its
+# baseline where one ran).
 #   BEFORE=4af8b11 ROUNDS=2 bench/run_revisions.sh          # 50M: ~7 min a round on 2 idle cores
+#   BEFORE=4af8b11 AFTER=HEAD SYSTEMS=zs2 PEERS= ROUNDS=8 bench/run_revisions.sh   # zs2 A/B only
+# AFTER=<commit> measures that commit rather than a working tree others may be editing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=${BEFORE:?BEFORE=<commit> to compare the working tree with}
 MODEL=${MODEL:-50M}
 ROUNDS=${ROUNDS:-2}
+SYSTEMS=${SYSTEMS:-zs2,zs3}
+PEERS=${PEERS-ddp,fsdp2}
 TAG=${TAG:-${MODEL}_rev_$(git rev-parse --short "$BEFORE")}
-TREE=${BEFORE_TREE:-/tmp/zeroshard-before-$(git rev-parse --short "$BEFORE")}
-[ -d "$TREE" ] || git worktree add --detach "$TREE" "$BEFORE" >/dev/null
+worktree() {  # a detached worktree of commit $1, made once
+  local tree=/tmp/zeroshard-rev-$(git rev-parse --short "$1")
+  [ -d "$tree" ] || git worktree add --detach "$tree" "$1" >/dev/null
+  echo "$tree"
+}
+TREE=${BEFORE_TREE:-$(worktree "$BEFORE")}
+AFTER_PATH=""
+[ -n "${AFTER:-}" ] && AFTER_PATH="$(worktree "$AFTER")/src"
+reverse() { echo "$1" | tr ',' '\n' | tac | paste -sd, -; }
+run() {  # run <systems> <tag> <PYTHONPATH or empty>
+  echo "$2: $1 ($(date -u +%H:%M:%S) UTC, load $(cut -d' ' -f1-3 /proc/loadavg))"
+  if [ -n "$3" ]; then
+    env -u ROUNDS PYTHONPATH="$3" SYSTEMS=$1 TAG=$2 TIMEOUT=${TIMEOUT:-500} MODEL=$MODEL bench/run_peers.sh
+  else
+    env -u ROUNDS SYSTEMS=$1 TAG=$2 TIMEOUT=${TIMEOUT:-500} MODEL=$MODEL bench/run_peers.sh
+  fi
+}
+NOW=${PEERS:+$PEERS,}$SYSTEMS
 for r in $(seq 1 "$ROUNDS"); do
   if [ $((r % 2)) -eq 1 ]; then
-    env -u ROUNDS SYSTEMS=ddp,fsdp2,zs2,zs3 TAG=${TAG}_r${r}_now TIMEOUT=${TIMEOUT:-500} MODEL=$MODEL bench/run_peers.sh
-    env -u ROUNDS PYTHONPATH="$TREE/src" SYSTEMS=zs2,zs3 TAG=${TAG}_r${r}_before TIMEOUT=${TIMEOUT:-500} MODEL=$MODEL bench/run_peers.sh
+    run "$NOW" "${TAG}_r${r}_now" "$AFTER_PATH"
+    run "$SYSTEMS" "${TAG}_r${r}_before" "$TREE/src"
   else
-    env -u ROUNDS PYTHONPATH="$TREE/src" SYSTEMS=zs3,zs2 TAG=${TAG}_r${r}_before TIMEOUT=${TIMEOUT:-500} MODEL=$MODEL bench/run_peers.sh
-    env -u ROUNDS SYSTEMS=zs3,zs2,fsdp2,ddp TAG=${TAG}_r${r}_now TIMEOUT=${TIMEOUT:-500} MODEL=$MODEL bench/run_peers.sh
+    run "$(reverse "$SYSTEMS")" "${TAG}_r${r}_before" "$TREE/src"
+    run "$(reverse "$NOW")" "${TAG}_r${r}_now" "$AFTER_PATH"
   fi
 done
-python - "$TAG" "$ROUNDS" <<'PY'
+python - "$TAG" "$ROUNDS" "$SYSTEMS" "$PEERS" <<'PY'
 import json, statistics, sys
-tag, rounds = sys.argv[1], int(sys.argv[2])
+tag, rounds, systems = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+peers = [p for p in sys.argv[4].split(",") if p]
+BASE = {"zs0": "ddp", "zs1": "ddp", "zs2": "ddp", "zs3": "fsdp2"}
 def step(name, system):
-    s = json.load(open(f"bench/peer-results/{name}/summary.json"))["systems"][system]
-    return s["step_time_median_s"], s["step_time_min_s"]
-rows = {"zs2/ddp now": [], "zs2/ddp before": [], "zs3/fsdp2 now": [], "zs3/fsdp2 before": []}
-print("| round | ddp s | fsdp2 s | zs2 now s | zs2 before s | zs3 now s | zs3 before s |")
-print("|---|---|---|---|---|---|---|")
+    return json.load(open(f"bench/peer-results/{name}/summary.json"))["systems"][system]["step_time_median_s"]
+cols = peers + [f"{s} {side}" for s in systems for side in ("now", "before")]
+print("| round | " + " | ".join(f"{c} s" for c in cols) + " |")
+print("|---|" + "---|" * len(cols))
+ratios: dict[str, list[float]] = {}
 for r in range(1, rounds + 1):
     now, before = f"{tag}_r{r}_now", f"{tag}_r{r}_before"
-    d, f = step(now, "ddp")[0], step(now, "fsdp2")[0]
-    z2, z3 = step(now, "zs2")[0], step(now, "zs3")[0]
-    b2, b3 = step(before, "zs2")[0], step(before, "zs3")[0]
-    print(f"| {r} | {d:.3f} | {f:.3f} | {z2:.3f} | {b2:.3f} | {z3:.3f} | {b3:.3f} |")
-    rows["zs2/ddp now"].append(z2 / d); rows["zs2/ddp before"].append(b2 / d)
-    rows["zs3/fsdp2 now"].append(z3 / f); rows["zs3/fsdp2 before"].append(b3 / f)
+    vals = {p: step(now, p) for p in peers}
+    for s in systems:
+        vals[f"{s} now"], vals[f"{s} before"] = step(now, s), step(before, s)
+        ratios.setdefault(f"{s} now/before", []).append(vals[f"{s} now"] / vals[f"{s} before"])
+        if BASE.get(s) in peers:
+            for side in ("now", "before"):
+                ratios.setdefault(f"{s}/{BASE[s]} {side}", []).append(vals[f"{s} {side}"] / vals[BASE[s]])
+    print(f"| {r} | " + " | ".join(f"{vals[c]:.3f}" for c in cols) + " |")
 print()
 print("| ratio of median step times | per round | median |")
 print("|---|---|---|")
-for k, v in rows.items():
+for k, v in ratios.items():
     print(f"| {k} | {', '.join(f'{x:.3f}' for x in v)} | {statistics.median(v):.3f} |")
 PY
