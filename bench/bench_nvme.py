@@ -53,29 +53,52 @@ def _dd(path: str, mib: int) -> tuple[float, float]:
     return w, r
 
 
-def _engine(path: str, mib: int) -> tuple[float, float, str]:
-    from zeroshard.offload.aio import AioSettings, IOEngine, aligned_empty
+def _engine(path: str, mib: int, request_mib: int = 0, block_kib: int = 1024, queue_depth: int = 8
+            ) -> tuple[float, float, str]:
+    """(write, read) GB/s of the I/O engine moving `mib` MiB in requests of `request_mib` MiB
+    (0: one request), all submitted at once as the swap pipeline does, with the given aio knobs."""
+    from zeroshard.offload.aio import IOEngine, aligned_empty
     from zeroshard.offload.nvme import aio_settings
     from zeroshard.policies import AioPolicy
 
-    settings, _ = aio_settings(AioPolicy())
+    settings, _ = aio_settings(AioPolicy(block_size=block_kib << 10, queue_depth=queue_depth))
     folder = tempfile.mkdtemp(dir=path)
     io = IOEngine(folder, settings)
+    size = (request_mib or mib) << 20
     try:
         f = io.open("swap.bin")
         buf = aligned_empty(mib << 20)
         buf.fill_(3)
+        spans = [(o, min(size, (mib << 20) - o)) for o in range(0, mib << 20, size)]
         t = time.perf_counter()
-        io.write(f, buf, 0).wait()
+        for h in [io.write(f, buf[o:o + n], o) for o, n in spans]:
+            h.wait()
         os.fsync(io._fds[f][0])
         w = (mib << 20) / (time.perf_counter() - t) / 1e9
         t = time.perf_counter()
-        io.read(f, buf, 0).wait()
+        for h in [io.read(f, buf[o:o + n], o) for o, n in spans]:
+            h.wait()
         r = (mib << 20) / (time.perf_counter() - t) / 1e9
         return w, r, io.describe()
     finally:
         io.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep(path: str, mib: int, requests: list[int], blocks: list[int], depths: list[int]) -> list[dict]:
+    """dd beside the engine for each (request size, aio block size, queue depth), interleaved."""
+    rows = []
+    for req in requests:
+        for block in blocks:
+            for depth in depths:
+                dd_w, dd_r = _dd(path, mib)
+                w, r, _ = _engine(path, mib, req, block, depth)
+                rows.append({"request_mib": req, "block_kib": block, "queue_depth": depth,
+                             "dd_write_gbs": round(dd_w, 3), "engine_write_gbs": round(w, 3),
+                             "write_ratio": round(w / dd_w, 2), "dd_read_gbs": round(dd_r, 3),
+                             "engine_read_gbs": round(r, 3), "read_ratio": round(r / dd_r, 2)})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def _step_times(preset: str, offload: str, path: str, steps: int, seq: int, micro: int) -> dict:
@@ -156,6 +179,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved dd / engine rounds (medians reported)")
     p.add_argument("--io-only", action="store_true", help="part 1 only (swap I/O vs dd), then the DeepSpeed line")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--sweep", action="store_true",
+                   help="with --io-only: request sizes x aio block sizes x queue depths, each beside dd")
+    p.add_argument("--requests", default="8,64", help="--sweep: request sizes, MiB (what the pipeline issues)")
+    p.add_argument("--blocks", default="1024,4096", help="--sweep: aio.block_size values, KiB")
+    p.add_argument("--depths", default="4,8,16", help="--sweep: aio.queue_depth values")
     args = p.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
     torch.set_num_threads(2)
@@ -171,6 +199,9 @@ def main() -> None:
                  "engine_write_gbs": round(en_w, 3), "engine_read_gbs": round(en_r, 3),
                  "write_ratio": round(en_w / dd_w, 2), "read_ratio": round(en_r / dd_r, 2), "engine": how}
     print(json.dumps(out["io"]), flush=True)
+    if args.sweep:
+        ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+        out["sweep"] = _sweep(args.nvme_path, mib, ints(args.requests), ints(args.blocks), ints(args.depths))
     preset = "mini" if args.quick else "50m"
     out["steps"] = []
     for offload in () if args.io_only else ("cpu", "nvme", "nvme+params"):

@@ -1,10 +1,11 @@
 """ZeRO-Infinity headline demo: a GPT decoder whose model states are about twice this machine's
-RAM, trained for a few optimizer steps with stage 3 + parameters and optimizer states on the
-NVMe tier, in one process, built on the meta device (never materialized whole).
+RAM, trained with stage 3 + parameters and optimizer states on the NVMe tier, built on the meta
+device (never materialized whole), on the bytes of the Python standard library's sources (the
+corpus `zeroshard train` embeds), with a warm-up then linear-decay learning rate.
 
-    python bench/demo_infinity.py --nvme-path /tmp/zs_infinity                    # 3.15B parameters
+    python bench/demo_infinity.py --nvme-path /tmp/zs_infinity --bf16           # 3.15B, one process
+    torchrun --nproc_per_node 2 bench/demo_infinity.py --nvme-path /tmp/zs_infinity --bf16   # 2 ranks, one disk
     python bench/demo_infinity.py --nvme-path /tmp/zs_infinity --layers 2 --embd 512   # smoke run
-    python bench/demo_infinity.py --nvme-path /tmp/zs_infinity --bf16   # bf16 compute (2-byte grads)
 
 Model: the repository's GPT (models/gpt.py), n_layer x n_embd (default 40 x 2560: 3.15e9
 parameters; fp32 + AdamW model states = 16 bytes/parameter = 50 GB). It is built under
@@ -12,11 +13,14 @@ torch.device("meta"); zeroshard's stage 3 materializes one Block at a time (rese
 writes its shard to the NVMe tier and forgets it. Masters and Adam states go to the optimizer's
 files in sub-groups of --sub-group elements.
 
-Per step it prints: loss, wall time split into forward+backward and optimizer step, the time
-the process was blocked on NVMe I/O (optimizer swap waits + parameter read-ahead waits), bytes
-read/written by the tiers, disk busy share (io_ticks of the disk under nvme_path over the step's
-wall time, /proc/diskstats), and the peak RSS of the process so far (VmHWM). At the end: the bytes
-on disk. The machine may be shared: timings are noisy.
+Per step it prints: loss, lr, wall time split into forward, backward (where the optimizer steps
+each unit's sub-group as its gradients become final) and the step, the time the process was
+blocked on NVMe I/O, bytes read/written by the tiers of all ranks, the I/O lower bound
+(bytes read / raw read rate + bytes written / raw write rate, the raw rates measured by `dd`
+with O_DIRECT on the same path in the same run, before the first step and after the last),
+step time / lower bound, the disk's busy share (io_ticks of the disk under nvme_path,
+/proc/diskstats) per phase and over the step, and the peak RSS so far (VmHWM, rank 0). At the
+end: the bytes on disk, and whether the loss fell. The machine may be shared: timings are noisy.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 
@@ -60,6 +66,24 @@ def _io_ticks_ms(disk: str | None) -> int:
             if parts[2] == disk:
                 return int(parts[12])
     return 0
+
+
+def _dd_rates(path: str, mib: int) -> tuple[float, float]:
+    """(write, read) GB/s of `dd` with O_DIRECT and 1 MiB blocks on `path` (the raw disk)."""
+    target = os.path.join(path, f"demo-dd-probe-{os.getpid()}.bin")
+
+    def rate(args: list[str]) -> float:
+        out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
+        m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
+        return int(m.group(1)) / float(m.group(2)) / 1e9
+
+    try:
+        w = rate(["if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}", "oflag=direct", "conv=fsync"])
+        r = rate([f"if={target}", "of=/dev/null", "bs=1M", "iflag=direct"])
+    finally:
+        if os.path.exists(target):
+            os.unlink(target)
+    return w, r
 
 
 def _mem_available_gib() -> float:
@@ -140,9 +164,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--embd", type=int, default=2560)
     p.add_argument("--heads", type=int, default=20)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--micro", type=int, default=1)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4, help="the peak lr (WarmupDecayLR: linear warm-up, linear decay)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (the lr rises from --lr/(warmup+1) to --lr)")
+    p.add_argument("--raw-mib", type=int, default=1024, help="MiB dd writes and reads for the raw disk rates")
     p.add_argument("--sub-group", type=int, default=20_000_000)
     p.add_argument("--bf16", action="store_true", help='"bf16": {"enabled": true} (default fp32)')
     p.add_argument("--bf16-matmul", choices=["fp32", "native"], default="fp32",
@@ -155,14 +182,21 @@ def main() -> None:
         with open(args.pid_file, "w") as f:
             f.write(f"{os.getpid()}\n")
     watch = _Watch(args.min_avail_gib)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(var, None)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # one process: no torchrun variables left over
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(var, None)
+    rank = int(os.environ.get("RANK", "0"))
     import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", stream=sys.stdout)
     import zeroshard
-    from zeroshard.models import synthetic_tokens, global_batch
+    from zeroshard.models import global_batch
+    from zeroshard.models.corpus import stdlib_corpus
     from zeroshard.models.gpt import GPT, GPTConfig
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
 
     os.makedirs(args.nvme_path, exist_ok=True)
     cfg = GPTConfig(vocab_size=256, block_size=max(64, args.seq), n_layer=args.layers, n_head=args.heads,
@@ -170,17 +204,21 @@ def main() -> None:
     with torch.device("meta"):
         model = GPT(cfg)
     n = sum(p.numel() for p in model.parameters())
-    print(f"model: GPT {args.layers} x {args.embd}, {n / 1e9:.3f}e9 parameters, built on meta; "
+    say(f"model: GPT {args.layers} x {args.embd}, {n / 1e9:.3f}e9 parameters, built on meta; "
           f"model states {'bf16' if args.bf16 else 'fp32'} + AdamW = {16 * n / 1e9:.1f} GB "
           f"({'2 + 2 + 4 + 8' if args.bf16 else '4 + 4 + 8'} bytes/parameter: parameters, gradients, "
           f"{'fp32 masters, ' if args.bf16 else ''}Adam states); on disk {(14 if args.bf16 else 16) * n / 1e9:.1f} GB "
           f"({'2 + 4 + 8' if args.bf16 else '4 + 4 + 8: the shard and its fp32 master are two files'}), "
-          f"gradients in memory {(2 if args.bf16 else 4) * n / 1e9:.1f} GB", flush=True)
+          f"gradients in memory {(2 if args.bf16 else 4) * n / 1e9:.1f} GB (all ranks)")
     block = 12 * args.embd * args.embd + 13 * args.embd
     where = {"device": "nvme", "nvme_path": args.nvme_path}
     config = {
-        "train_batch_size": args.micro, "train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": args.steps,
+                                                           "warmup_min_lr": args.lr / (args.warmup + 1),
+                                                           "warmup_max_lr": args.lr, "warmup_num_steps": args.warmup,
+                                                           "warmup_type": "linear"}},
         "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group, "stage3_param_persistence_threshold": 0,
                               "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": block,
                               "offload_optimizer": {**where, "buffer_count": 3},
@@ -194,51 +232,91 @@ def main() -> None:
     started = time.perf_counter()
     engine = zeroshard.initialize(model, config)
     init_s, init_rss = time.perf_counter() - started, _rss_peak_gib()
-    print(f"initialize: {init_s:.1f} s (stopped {watch.stopped_s:.1f} s of it), peak RSS {init_rss:.2f} GiB "
-          f"= {init_rss * 2**30 / n:.2f} bytes/parameter; "
-          f"RSS now {_rss_peak_gib('VmRSS:'):.2f} GiB", flush=True)
+    world = engine.comm.world_size
+    say(f"initialize: {init_s:.1f} s (stopped {watch.stopped_s:.1f} s of it), peak RSS {init_rss:.2f} GiB "
+        f"= {init_rss * 2**30 * world / n:.2f} bytes/parameter over {world} rank(s); RSS now {_rss_peak_gib('VmRSS:'):.2f} GiB")
+    say(f"the optimizer steps {engine.step_mode}")
     opt = engine.optimizer
     tiers = [opt.store.tier] + engine.param_tiers
     disk = _disk_of(args.nvme_path)
-    on_disk = sum(t.bytes_on_disk for t in tiers)
-    print(f"disk {disk}: {on_disk / 1e9:.1f} GB in the run folders after initialize", flush=True)
-    tokens = synthetic_tokens(100_000, cfg.vocab_size)
+
+    def total(*values: float) -> list[float]:  # summed over the ranks (they share the disk)
+        t = torch.tensor(values, dtype=torch.float64)
+        if world > 1:
+            engine.comm.all_reduce(t, "sum", what="demo byte counts").wait()
+        return t.tolist()
+
+    def raw_rates() -> tuple[float, float]:  # rank 0 measures while the others wait
+        rates = list(_dd_rates(args.nvme_path, args.raw_mib)) if rank == 0 else [0.0, 0.0]
+        return tuple(total(*rates))
+
+    raw = [raw_rates()]
+    on_disk = total(sum(t.bytes_on_disk for t in tiers))[0]
+    say(f"disk {disk}: {on_disk / 1e9:.1f} GB in the run folders after initialize; raw disk (dd O_DIRECT, 1 MiB "
+        f"blocks, {args.raw_mib} MiB): write {raw[0][0]:.3f} GB/s, read {raw[0][1]:.3f} GB/s")
+    tokens = stdlib_corpus(8_000_000)
+    say(f"corpus: {tokens.numel():,} bytes of the Python standard library's sources (vocabulary 256); "
+        f"{args.micro * args.seq * world} tokens per step; lr: linear warm-up over {args.warmup} step(s) from "
+        f"{args.lr / (args.warmup + 1):g} to "
+        f"{args.lr:g}, then linear decay to 0 at step {args.steps}")
     rows = []
 
-    def dump(disk_bytes: int) -> None:  # after every step too: a stopped run keeps its rows
-        if args.json:
+    def dump(disk_bytes: float) -> None:  # after every step too: a stopped run keeps its rows
+        if args.json and rank == 0:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "params": n, "disk_bytes": disk_bytes, "initialize_s": round(init_s, 1),
-                           "initialize_peak_rss_gib": round(init_rss, 2), "rows": rows}, f, indent=1)
+                json.dump({"args": vars(args), "world_size": world, "params": n, "disk_bytes": disk_bytes,
+                           "initialize_s": round(init_s, 1), "initialize_peak_rss_gib": round(init_rss, 2),
+                           "raw_gbs": raw, "rows": rows}, f, indent=1)
 
     def waits() -> float:
         return opt.store.io_wait_s + sum(t.ahead.wait_s for t in engine.param_tiers if t.ahead)
 
+    def io_bytes() -> tuple[int, int]:
+        return sum(t.io.bytes_read for t in tiers), sum(t.io.bytes_written for t in tiers)
+
     for step in range(args.steps):
-        x, y = global_batch(tokens, args.micro, args.seq, step)
-        r0, w0 = sum(t.io.bytes_read for t in tiers), sum(t.io.bytes_written for t in tiers)
-        wait0, ticks0, stop0 = waits(), _io_ticks_ms(disk), watch.stopped_s
-        t0 = time.perf_counter()
+        lr = opt.param_groups[0]["lr"]
+        x, y = global_batch(tokens, args.micro * world, args.seq, step)
+        x, y = x[rank * args.micro:(rank + 1) * args.micro], y[rank * args.micro:(rank + 1) * args.micro]
+        (r0, w0), wait0, stop0 = io_bytes(), waits(), watch.stopped_s
+        ticks, marks = [_io_ticks_ms(disk)], [time.perf_counter()]
         _, loss = engine(x, y)
+        ticks.append(_io_ticks_ms(disk)), marks.append(time.perf_counter())
         engine.backward(loss)
-        t1 = time.perf_counter()
+        ticks.append(_io_ticks_ms(disk)), marks.append(time.perf_counter())
         engine.step()
-        t2 = time.perf_counter()
-        ticks = _io_ticks_ms(disk) - ticks0
-        row = {"step": step + 1, "loss": round(loss.item(), 4), "step_s": round(t2 - t0, 1),
-               "fwd_bwd_s": round(t1 - t0, 1), "opt_step_s": round(t2 - t1, 1), "io_wait_s": round(waits() - wait0, 1),
-               "read_gb": round((sum(t.io.bytes_read for t in tiers) - r0) / 1e9, 2),
-               "written_gb": round((sum(t.io.bytes_written for t in tiers) - w0) / 1e9, 2),
-               "disk_busy": round(ticks / 1000 / (t2 - t0), 2), "peak_rss_gib": round(_rss_peak_gib(), 2),
-               "stopped_s": round(watch.stopped_s - stop0, 1)}
+        ticks.append(_io_ticks_ms(disk)), marks.append(time.perf_counter())
+        r1, w1 = io_bytes()
+        read, written, loss_sum = total(r1 - r0, w1 - w0, loss.item())
+        step_s = marks[-1] - marks[0]
+        bound = read / 1e9 / raw[0][1] + written / 1e9 / raw[0][0]
+        busy = [(ticks[i + 1] - ticks[i]) / 1000 / max(marks[i + 1] - marks[i], 1e-9) for i in range(3)]
+        row = {"step": step + 1, "loss": round(loss_sum / world, 4), "lr": float(f"{lr:.3g}"), "step_s": round(step_s, 1),
+               "fwd_s": round(marks[1] - marks[0], 1), "bwd_s": round(marks[2] - marks[1], 1),
+               "opt_step_s": round(marks[3] - marks[2], 1), "io_wait_s": round(waits() - wait0, 1),
+               "read_gb": round(read / 1e9, 2), "written_gb": round(written / 1e9, 2),
+               "io_bound_s": round(bound, 1), "step_over_bound": round(step_s / bound, 2) if bound else None,
+               "disk_busy": round((ticks[-1] - ticks[0]) / 1000 / step_s, 2),
+               "busy_fwd_bwd_step": [round(b, 2) for b in busy], "peak_rss_gib": round(_rss_peak_gib(), 2),
+               "stopped_s": round(watch.stopped_s - stop0, 1),
+               "load_avg": float(open("/proc/loadavg").read().split()[0])}
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        say(json.dumps(row))
         dump(on_disk)
-    on_disk = sum(t.bytes_on_disk for t in tiers)
-    print(f"disk space used by the run folders: {on_disk / 1e9:.1f} GB (checked against free space at start); "
-          f"peak RSS {_rss_peak_gib():.2f} GiB; memory_stats: "
-          + json.dumps({k: round(v / 2**30, 2) for k, v in engine.memory_stats().items() if k.startswith("tier")})
-          + " GiB", flush=True)
+    raw.append(raw_rates())
+    say(f"raw disk after the steps: write {raw[1][0]:.3f} GB/s, read {raw[1][1]:.3f} GB/s (the bounds above use the "
+        "rates measured before the first step)")
+    losses = [r["loss"] for r in rows]
+    if len(losses) >= 6:
+        first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+        say(f"loss: first 3 steps' mean {first:.4f}, last 3 steps' mean {last:.4f} "
+            f"({'falling' if last < first else 'NOT falling'}); highest step after the first: "
+            f"{max(losses[1:]):.4f} ({'below' if max(losses[1:]) <= losses[0] else 'ABOVE'} the first, {losses[0]:.4f})")
+    on_disk = total(sum(t.bytes_on_disk for t in tiers))[0]
+    say(f"disk space used by the run folders: {on_disk / 1e9:.1f} GB (checked against free space at start); "
+        f"peak RSS {_rss_peak_gib():.2f} GiB (rank 0); memory_stats: "
+        + json.dumps({k: round(v / 2**30, 2) for k, v in engine.memory_stats().items() if k.startswith("tier")})
+        + " GiB")
     dump(on_disk)
     engine.close()
 
