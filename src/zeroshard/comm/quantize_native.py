@@ -74,8 +74,31 @@ static inline void put(const float *restrict f, int64_t size, float inv, int8_t 
     for (int64_t j = 0; j < size; j++) dst[j] = (int8_t)bits_of(f[j] * inv + MAGIC);
 }
 
-static inline void put16(const uint16_t *restrict h, int64_t size, float inv, int8_t *restrict dst) {
-    for (int64_t j = 0; j < size; j++) dst[j] = (int8_t)bits_of(float_of((uint32_t)h[j] << 16) * inv + MAGIC);
+/* bf16 values read as pairs: the even one is the pair's low 16 bits (little-endian), so
+   w << 16 and w & 0xFFFF0000 are both as fp32 without unpacking; each pair gives one int16 of
+   two int8 values, or one byte of two int4 values */
+static inline void put16(const uint16_t *restrict h, int64_t size, float inv, int bits, int8_t *restrict dst) {
+    int64_t pairs = size / 2;
+    if (bits == 8) {
+        for (int64_t j = 0; j < pairs; j++) {
+            uint32_t w, e, o;
+            memcpy(&w, h + 2 * j, 4);
+            e = bits_of(float_of(w << 16) * inv + MAGIC) & 0xFFu;
+            o = bits_of(float_of(w & 0xFFFF0000u) * inv + MAGIC) & 0xFFu;
+            uint16_t v = (uint16_t)(e | (o << 8));
+            memcpy(dst + 2 * j, &v, 2);
+        }
+        if (size & 1) dst[size - 1] = (int8_t)bits_of(float_of((uint32_t)h[size - 1] << 16) * inv + MAGIC);
+    } else {
+        uint8_t *restrict d = (uint8_t *)dst;
+        for (int64_t j = 0; j < pairs; j++) {
+            uint32_t w, e, o;
+            memcpy(&w, h + 2 * j, 4);
+            e = bits_of(float_of(w << 16) * inv + MAGIC);
+            o = bits_of(float_of(w & 0xFFFF0000u) * inv + MAGIC);
+            d[j] = (uint8_t)(((e & 15u) | ((o & 15u) << 4)) ^ 0x88u);
+        }
+    }
 }
 
 /* Blocks [lo, hi) of a (rows, n) input, row-major, blocked as count x size (the last block
@@ -107,8 +130,7 @@ int zs_quantize(const void *x, int x_bf16, int64_t n, int64_t count, int64_t siz
             absmax = float_of((uint32_t)(uint16_t)m << 16);
             float scale = absmax / qmax;
             scales[id] = scale;
-            put16(h, size, inverse(scale), bits == 8 ? dst : q8);
-            if (bits == 4) pack4(q8, size, dst);
+            put16(h, size, inverse(scale), bits, dst);
         } else {
             const float *f = (const float *)x + row * n + start;
             if (len < size) {
@@ -165,9 +187,11 @@ int zs_dequantize(const int8_t *payload, const float *scales, int bits, int64_t 
             if (bits == 8) {
                 for (int64_t j = 0; j < len; j++) o[j] = bf16_finite((float)src[j] * s);
             } else {
-                for (int64_t j = 0; j < pairs; j++) {
-                    o[2 * j] = bf16_finite((float)((int)(b[j] & 15u) - 8) * s);
-                    o[2 * j + 1] = bf16_finite((float)((int)(b[j] >> 4) - 8) * s);
+                for (int64_t j = 0; j < pairs; j++) { /* both values of a byte as one uint32 */
+                    uint32_t e = bits_of((float)((int)(b[j] & 15u) - 8) * s);
+                    uint32_t od = bits_of((float)((int)(b[j] >> 4) - 8) * s);
+                    uint32_t v = ((e + 0x7FFFu + ((e >> 16) & 1u)) >> 16) | ((od + 0x7FFFu + ((od >> 16) & 1u)) & 0xFFFF0000u);
+                    memcpy(o + 2 * j, &v, 4);
                 }
                 if (len & 1) o[len - 1] = bf16_finite((float)((int)(b[pairs] & 15u) - 8) * s);
             }
