@@ -17,24 +17,27 @@ def inspect(ckpt_dir: str | os.PathLike, tag: str | None = None, verify: bool = 
     if find_deepspeed_tag(ckpt_dir, tag) is not None:
         return _deepspeed_report(ckpt_dir, tag, verify)
     with open_checkpoint(ckpt_dir, tag) as reader:  # (its error also says it is not a DeepSpeed one)
-        meta = reader.meta
-        files = _file_rows(reader, verify)
         buckets = [{"bucket": b.index, "dtype": b.dtype.replace("torch.", ""), "group": b.group,
                     "params": len(b.slots), "numel": sum(s.numel for s in b.slots),
                     "padded_numel": b.padded_numel, "shards": b.shard_count,
-                    "fields": [f for f in b.fields]} for b in reader.buckets]
+                    "fields": list(b.fields)} for b in reader.buckets]
         trainable = sum(b["numel"] for b in buckets if "master" in b["fields"])  # not stage-3 frozen units
-        total = sum(reader.numel(n) for n in reader.tensors)
-        return {
-            "dir": reader.dir, "tag": meta["tag"], "world_size": meta["world_size"], "stage": meta["stage"],
-            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
-            "compute_dtype": meta["compute_dtype"].replace("torch.", ""),
-            "optimizer": meta["optimizer"]["class"], "optimizer_states": meta["optimizer"]["states"],
-            "lr_scheduler": (meta.get("lr_scheduler") or {}).get("class"),
-            "parameters": total, "trainable_parameters": trainable, "tied": meta["tied"],
-            "buckets": buckets, "files": files, "bytes": sum(f["bytes"] for f in files),
-            "ok": all(f["check"] in ("ok", "not checked") for f in files),
-        }
+        return _summary(reader, buckets, _file_rows(reader, verify), trainable)
+
+
+def _summary(reader, buckets: list[dict[str, Any]], files: list[dict[str, Any]], trainable: int) -> dict[str, Any]:
+    """The report's keys common to both kinds of checkpoint."""
+    meta = reader.meta
+    return {
+        "dir": reader.dir, "tag": meta["tag"], "world_size": meta["world_size"], "stage": meta["stage"],
+        "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
+        "compute_dtype": meta["compute_dtype"].replace("torch.", ""),
+        "optimizer": meta["optimizer"]["class"], "optimizer_states": meta["optimizer"]["states"],
+        "lr_scheduler": (meta.get("lr_scheduler") or {}).get("class"),
+        "parameters": sum(reader.numel(n) for n in reader.tensors), "trainable_parameters": trainable,
+        "tied": meta["tied"], "buckets": buckets, "files": files, "bytes": sum(f["bytes"] for f in files),
+        "ok": all(f["check"] in ("ok", "not checked") for f in files),
+    }
 
 
 def _file_rows(reader, verify: bool, by_rank: bool = False) -> list[dict[str, Any]]:
@@ -58,7 +61,6 @@ def _deepspeed_report(path: str | os.PathLike, tag: str | None, verify: bool) ->
     plus "format" and "deepspeed_version"); each file's check is its zip records' CRC-32."""
     with DeepSpeedCheckpoint(path, tag) as reader:
         meta = reader.meta
-        files = _file_rows(reader, verify, by_rank=True)
         buckets = []
         for i, g in enumerate(reader.groups):
             numel = sum(math.prod(int(d) for d in s) for _, s in g)
@@ -69,15 +71,6 @@ def _deepspeed_report(path: str | os.PathLike, tag: str | None, verify: bool) ->
             buckets.append({"bucket": i, "dtype": str(reader.compute_dtype).replace("torch.", ""), "group": i,
                             "params": len(g), "numel": numel, "padded_numel": padded, "shards": reader.world_size,
                             "fields": ["master"] + [f"optim.{k}" for k in meta["optimizer"]["states"]]})
-        total = sum(reader.numel(n) for n in reader.tensors)
-        return {
-            "format": DEEPSPEED_FORMAT, "deepspeed_version": meta["deepspeed_version"],
-            "dir": reader.dir, "tag": meta["tag"], "world_size": meta["world_size"], "stage": meta["stage"],
-            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
-            "compute_dtype": meta["compute_dtype"].replace("torch.", ""),
-            "optimizer": meta["optimizer"]["class"], "optimizer_states": meta["optimizer"]["states"],
-            "lr_scheduler": (meta.get("lr_scheduler") or {}).get("class"),
-            "parameters": total, "trainable_parameters": sum(b["numel"] for b in buckets), "tied": meta["tied"],
-            "buckets": buckets, "files": files, "bytes": sum(f["bytes"] for f in files),
-            "ok": all(f["check"] in ("ok", "not checked") for f in files),
-        }
+        return {"format": DEEPSPEED_FORMAT, "deepspeed_version": meta["deepspeed_version"],
+                **_summary(reader, buckets, _file_rows(reader, verify, by_rank=True),
+                           sum(b["numel"] for b in buckets))}

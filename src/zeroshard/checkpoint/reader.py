@@ -20,18 +20,8 @@ from safetensors import safe_open
 
 from zeroshard.checkpoint.files import sha256_of
 from zeroshard.checkpoint.format import (
-    FORMAT,
-    LATEST,
-    META,
-    META_SHA256,
-    OLD_PREFIX,
-    VERSION,
-    BucketRecord,
-    SlotRecord,
-    bucket_key,
-    meta_checksum,
-    module_key,
-    rank_file,
+    FORMAT, LATEST, META, META_SHA256, OLD_PREFIX, VERSION, BucketRecord, SlotRecord, bucket_key, meta_checksum,
+    module_key, rank_file,
 )
 from zeroshard.policies import CheckpointError
 

@@ -25,21 +25,11 @@ import torch
 
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.adapter import PEFT_META_KEY, peft_meta
-from zeroshard.checkpoint.format import train_state_of
 from zeroshard.checkpoint.exchange import agree, all_records
 from zeroshard.checkpoint.files import fsync_dir, write_safetensors, write_small
 from zeroshard.checkpoint.format import (
-    FORMAT,
-    LATEST,
-    META,
-    OLD_PREFIX,
-    TMP_PREFIX,
-    VERSION,
-    check_tag,
-    dumps,
-    json_safe,
-    rank_file as rank_file_name,
-    seal_meta,
+    FORMAT, LATEST, META, OLD_PREFIX, TMP_PREFIX, VERSION, check_tag, dumps, json_safe, rank_file as rank_file_name,
+    seal_meta, train_state_of,
 )
 from zeroshard.checkpoint.snapshot import JSON, model_config, name_table_of, rank_file
 from zeroshard import faults

@@ -18,13 +18,7 @@ from typing import Any, Callable
 import torch
 
 from zeroshard.checkpoint.files import Entry
-from zeroshard.checkpoint.format import (
-    BucketRecord,
-    bucket_key,
-    bucket_record,
-    json_safe,
-    module_key,
-)
+from zeroshard.checkpoint.format import BucketRecord, bucket_key, bucket_record, json_safe, module_key
 from zeroshard import faults
 from zeroshard.policies import CheckpointError
 

@@ -58,12 +58,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name} = {value!r}: expected an integer >= {minimum}")
 
 
-def _raw(config: RootConfig, batch_values: dict[str, int]) -> dict[str, Any]:
-    raw = config.model_dump(mode="json", exclude_unset=True)
-    raw.update(batch_values)
-    return raw
-
-
 def load_config(source: Mapping[str, Any] | str | os.PathLike, world_size: int, *,
                 hidden_size: int | None = None) -> Settings:
     """Validate a DeepSpeed-style config (a dict, or the path of a JSON file) into `Settings`.
@@ -99,7 +93,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike, world_size: int, 
     except ConfigError as exc:
         raise type(exc)(f"{origin}: {exc}") from None
     notes += batch_notes + build_notes(config) + ignored_notes(config)
-    raw = _raw(config, {"train_batch_size": batch.train_batch_size,
-                        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
-                        "gradient_accumulation_steps": batch.gradient_accumulation_steps})
+    raw = {**config.model_dump(mode="json", exclude_unset=True), "train_batch_size": batch.train_batch_size,
+           "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+           "gradient_accumulation_steps": batch.gradient_accumulation_steps}
     return build_settings(config, batch, raw, notes)

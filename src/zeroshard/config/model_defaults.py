@@ -19,18 +19,14 @@ BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 MIN_BUCKET = 2**18  # below this, per-collective latency dominates
 
 
-def _written(settings: Settings) -> set[str]:
-    zero = settings.raw.get("zero_optimization")
-    return set(zero) if isinstance(zero, dict) else set()
-
-
 def bucket_elements(trainable: int, itemsize: int) -> int:
     return max(1, min(BUCKET_BYTES // itemsize, max(MIN_BUCKET, trainable // 4)))
 
 
 def choose_for_model(settings: Settings, trainable: int) -> Settings:
     """`settings` with the bucket sizes the user left out chosen for `trainable` elements."""
-    written = _written(settings)
+    zero = settings.raw.get("zero_optimization")
+    written = set(zero) if isinstance(zero, dict) else set()
     itemsize = settings.precision.reduce.dtype.itemsize
     size = bucket_elements(trainable, itemsize)
     changes, why = {}, []

@@ -12,18 +12,7 @@ package as `deepspeed` (shadow.py; docs/huggingface.md). What differs on purpose
 is not supported (pipeline engine, MoE, model parallelism), is in docs/deepspeed-migration.md.
 """
 
-from zeroshard.deepspeed import (
-    accelerator,
-    checkpoint,
-    checkpointing,
-    comm,
-    moe,
-    ops,
-    pipe,
-    runtime,
-    utils,
-    zero,
-)
+from zeroshard.deepspeed import accelerator, checkpoint, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from zeroshard.deepspeed.args import add_config_arguments
 from zeroshard.deepspeed.comm import init_distributed
 from zeroshard.deepspeed.engine import DeepSpeedEngine

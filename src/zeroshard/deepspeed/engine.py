@@ -3,22 +3,7 @@
 A proxy, not a second engine: training, sharding, checkpoints and ledgers are the wrapped
 `zeroshard.Engine`'s; anything not defined here is looked up on it. Like DeepSpeed's it is
 an `nn.Module` whose `module` is the user's model. What is defined here only translates
-DeepSpeed's arguments and return values:
-
-- `backward(loss, scale_wrt_gas=False)` leaves the loss undivided by the accumulation steps;
-  `set_gradient_accumulation_boundary(b)` hands the boundary to the caller (Accelerate,
-  Trainer), who then calls `step()` only at it; `zero_grad()` drops accumulated gradients.
-- `config` is the DeepSpeed config dict; `optimizer.overflow` says whether the last boundary
-  step was skipped; `_zero3_consolidated_16bit_state_dict()` gathers whole weights (rank 0).
-
-- `save_checkpoint(save_dir, tag, client_state, save_latest)` returns True, as DeepSpeed's;
-  `client_state` is stored as JSON (zeroshard never pickles), so it must be JSON-like.
-- `load_checkpoint(...)` returns `(path, client_state)`, and `(None, None)` with a warning
-  when there is nothing to load, as DeepSpeed does. It loads checkpoints of any world
-  size and stage (zeroshard reshards on load), zeroshard's own or a folder DeepSpeed
-  wrote (docs/deepspeed-migration.md); for the latter `path` is its model-states file.
-- `save_16bit_model(save_dir, save_filename)` writes safetensors, never a pickle: a
-  `.bin` (or other non-safetensors) name is written as `model.safetensors`, with a note.
+DeepSpeed's arguments and return values; each method says how.
 """
 
 from __future__ import annotations
@@ -226,7 +211,8 @@ class DeepSpeedEngine(nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """Every rank writes its shards under `save_dir/<tag>` (default `global_step<N>`); with
-        `save_latest`, `latest` names the tag afterwards. Returns True."""
+        `save_latest`, `latest` names the tag afterwards. `client_state` is stored as JSON (zeroshard
+        never pickles), so it must be JSON-like. Returns True."""
         engine = self.zeroshard
         save_dir = os.fspath(save_dir)
         if exclude_frozen_parameters and engine.rank == 0:
@@ -249,8 +235,9 @@ class DeepSpeedEngine(nn.Module):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
-        """Load a checkpoint saved at any world size and stage; returns `(path, client_state)`,
-        or `(None, None)` when `load_dir` has no such checkpoint (as DeepSpeed)."""
+        """Load a checkpoint saved at any world size and stage, zeroshard's own or a folder DeepSpeed
+        wrote; returns `(path, client_state)`, or `(None, None)` with a warning when `load_dir` has
+        no such checkpoint (as DeepSpeed)."""
         engine = self.zeroshard
         if custom_load_fn is not None:
             raise ConfigError("load_checkpoint(custom_load_fn=...) is not supported: zeroshard reads its own "

@@ -1,34 +1,13 @@
 """Frozen typed settings, enums and errors. Imports nothing internal."""
 
 from zeroshard.policies.errors import (
-    CheckpointError,
-    CommError,
-    CommTimeoutError,
-    ConfigError,
-    NotSupportedYetError,
-    NvmeError,
-    NvmeSpaceError,
+    CheckpointError, CommError, CommTimeoutError, ConfigError, NotSupportedYetError, NvmeError, NvmeSpaceError,
     ZeroShardError,
 )
 from zeroshard.policies.settings import (
-    HIDDEN_SIZE_AUTO,
-    ActivationOffloadPolicy,
-    AioPolicy,
-    BatchPolicy,
-    CommsLoggerPolicy,
-    LossScalePolicy,
-    OffloadDevice,
-    OffloadPolicy,
-    OptimizerSpec,
-    Precision,
-    PrecisionPolicy,
-    RuntimePolicy,
-    SchedulerSpec,
-    Settings,
-    Stage,
-    Stage3Policy,
-    ZeroPlusPlusPolicy,
-    ZeroPolicy,
+    HIDDEN_SIZE_AUTO, ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, LossScalePolicy,
+    OffloadDevice, OffloadPolicy, OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy, SchedulerSpec, Settings,
+    Stage, Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
 )
 
 __all__ = [

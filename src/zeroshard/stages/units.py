@@ -168,13 +168,7 @@ def _find_external_users(model: nn.Module, units: list[UnitPlan], owner: dict[in
 
 
 def _dedup(params: list[nn.Parameter]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+    return list({id(p): p for p in params}.values())  # first occurrence, in order
 
 
 def describe_units(units, rule: str, persistent_numel: int, policy: Stage3Policy) -> list[str]:

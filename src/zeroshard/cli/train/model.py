@@ -18,12 +18,7 @@ from torch import nn
 from zeroshard.models import build_gpt
 from zeroshard.models.presets import GPT_PRESETS, model_choices
 from zeroshard.models.hf import (
-    GPT_LORA_TARGETS,
-    ModelSpecError,
-    apply_lora,
-    build_causal_lm,
-    context_length,
-    gather_unit_classes,
+    GPT_LORA_TARGETS, ModelSpecError, apply_lora, build_causal_lm, context_length, gather_unit_classes,
     load_causal_lm_config,
 )
 

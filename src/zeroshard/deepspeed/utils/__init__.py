@@ -13,17 +13,11 @@
 import logging
 
 from zeroshard.deepspeed.utils.tensor_fragment import (
-    safe_get_full_fp32_param,
-    safe_get_full_grad,
-    safe_get_full_optimizer_state,
-    safe_get_local_fp32_param,
+    safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_fp32_param,
     safe_set_full_fp32_param,
 )
 from zeroshard.deepspeed.utils.z3_leaf_module import (
-    get_z3_leaf_modules,
-    set_z3_leaf_modules,
-    unset_z3_leaf_modules,
-    z3_leaf_module,
+    get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
 )
 
 logger = logging.getLogger("zeroshard.deepspeed")
