@@ -19,6 +19,12 @@ Four parts:
 4. the estimator's step time for 2 nodes x 8 A100-80GB on one 100 Gb/s link per node (roce-100g),
    bf16, for GPT-sized models, plain stage 3 beside ZeRO++ (hpZ = 8), with the quantization time
    it charges (timing.QUANTIZE_BW).
+5. the estimator's prediction for this run (2 nodes x 2 CPU ranks, the same model, batch and
+   configs) beside the measured step and the ledger's comm seconds (comm_stats, rank 0). The
+   estimator gets this machine as a Cluster of rates each rank measured at the start of the run,
+   all four at once (so with the same sharing of the cores): matmul FLOP/s at the model's
+   shapes, gloo all-gather bytes/s, and quantize + dequantize bytes/s of a unit-sized tensor
+   (comm.quantization, i.e. the fused kernel where it builds); medians over the ranks.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def _rank(rank, world, preset, steps, precisions):
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    out = {}
+    out = {"rates": _rates(preset, world)}
     for precision in precisions:
         for name, zpp in CONFIGS.items():
             torch.manual_seed(0)
@@ -77,12 +83,83 @@ def _rank(rank, world, preset, steps, precisions):
                     times.append(time.perf_counter() - t0)
                 losses.append(loss.item())
             scoped = engine.comm_stats(by_scope=True)
+            comm_s = sum(v["seconds"] for v in engine.comm_stats().values())
             out[(precision, name)] = {
                 "intra": sum(v["sent_bytes"] for v in scoped["intra_node"].values()),
                 "inter": sum(v["sent_bytes"] for v in scoped["inter_node"].values()),
-                "step_s": statistics.median(times), "loss": losses[-1],
+                "step_s": statistics.median(times), "loss": losses[-1], "comm_s": comm_s,
                 "params": sum(p.numel() for p in engine.module.parameters())}
             engine.close()
+    return out
+
+
+def _best_rate(fn, work: float, reps: int = 7) -> float:
+    """`work` (FLOPs or bytes) over the fastest of `reps` calls of `fn`."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return work / min(ts)
+
+
+def _rates(preset: str, world: int) -> dict[str, float]:
+    """This rank's measured rates (all ranks at once): matmul FLOP/s at the model's shapes,
+    gloo all-gather bytes/s received, fp32 and bf16 quantize + dequantize bytes/s (int8)."""
+    import torch.distributed as dist
+
+    from zeroshard.comm import dequantize, plan_blocks, quantize
+    from zeroshard.models import build_gpt
+
+    cfg = build_gpt(preset).config
+    tokens, h = 2 * cfg.block_size, cfg.n_embd
+    a, w = torch.randn(tokens, h), torch.randn(h, 4 * h)
+    flops = _best_rate(lambda: [a @ w for _ in range(20)], 20 * 2 * tokens * h * 4 * h)
+    unit = 12 * h * h  # one Block's parameters
+    shard = torch.randn(unit // world)
+    parts = [torch.empty_like(shard) for _ in range(world)]
+    dist.barrier()
+    link = _best_rate(lambda: dist.all_gather(parts, shard), 4 * unit * (world - 1) / world)
+    out = {"flops": flops, "link": link}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1, unit).to(dtype)
+        blocks = plan_blocks(unit, 8)
+        y = torch.empty_like(x)
+        out[f"q+dq {str(dtype)[6:]}"] = _best_rate(
+            lambda: dequantize(*quantize(x, blocks), blocks, dtype, out=y), unit * x.element_size())
+    return out
+
+
+def _predictions(preset: str, rates: dict[str, float], configs) -> dict[tuple[str, str], object]:
+    """The estimator's Candidate for each (precision, config) of this run on a Cluster of the
+    measured rates (links and FLOP/s as achieved: ACHIEVED_*_FRACTION divided out)."""
+    from zeroshard.estimate import Cluster, GpuSpec, ModelShape, Strategy, Workload, evaluate
+    from zeroshard.estimate.hardware import ACHIEVED_LINK_FRACTION
+    from zeroshard.models import build_gpt
+    from zeroshard.policies import Precision, Stage
+
+    model = build_gpt(preset)
+    c = model.config
+    params = sum(p.numel() for p in model.parameters())
+    unit = max(sum(p.numel() for p in b.parameters()) for b in model.h)
+    shape = ModelShape(params=params, largest_unit=unit, largest_layer=unit, layers=c.n_layer, hidden=c.n_embd,
+                       heads=c.n_head, vocab=c.vocab_size, source=f"GPT {preset}")
+    link = rates["link"] / ACHIEVED_LINK_FRACTION
+    out = {}
+    for precision in ("fp32", "bf16"):
+        cpu = GpuSpec("this machine's rank (measured)", 24 << 30, rates["flops"], link, 1e12, "bench_zeropp part 5")
+        cluster = Cluster(nodes=2, gpus_per_node=PER_NODE, gpu=cpu, inter_node_bw=link * PER_NODE, host_mem=24 << 30,
+                          achieved_flops=rates["flops"], quantize_bw=rates[f"q+dq {'float32' if precision == 'fp32' else 'bfloat16'}"])
+        p = Precision.FP32 if precision == "fp32" else Precision.BF16
+        work = Workload(seq=c.block_size, micro_batch=2, precision=p, optimizer="adamw", host_is_device=True,
+                        activation_checkpointing=False)
+        for name, zpp in configs.items():
+            s = Strategy(stage=Stage.PARAMETERS, precision=p, optimizer="adamw", host_is_device=True,
+                         quantized_weights=bool(zpp.get("zero_quantized_weights")),
+                         hpz_partition_size=zpp.get("zero_hpz_partition_size", 1),
+                         quantized_gradients=bool(zpp.get("zero_quantized_gradients")))
+            out[(precision, name)] = evaluate(shape, s, cluster, work)
     return out
 
 
@@ -146,7 +223,9 @@ def main() -> None:
 
     preset, steps = ("tiny", 3) if args.quick else ("mini", 8)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; model GPT '{preset}', 4 gloo ranks as 2 nodes x 2")
-    results = run_ranks(_rank, 4, preset, steps, ("fp32", "bf16"), timeout=1800)[0]
+    every = run_ranks(_rank, 4, preset, steps, ("fp32", "bf16"), timeout=1800)
+    rates = {k: statistics.median(r["rates"][k] for r in every) for k in every[0]["rates"]}
+    results = {k: v for k, v in every[0].items() if k != "rates"}
     print("\n1./3. per step, rank 0 (sent bytes by scope; step time median of", steps, "steps)")
     print(f"{'precision':9} {'config':10} {'intra-node B':>13} {'inter-node B':>13} {'inter vs stage 3':>17} "
           f"{'step ms':>8} {'last loss':>9}")
@@ -163,6 +242,25 @@ def main() -> None:
           f"{'step s':>8}")
     for count, label, inter, t_inter, t_quant, step in _estimates():
         print(f"  {count:5} {label:12} {inter:>24.3f} {t_inter:>13.3f} {t_quant:>11.3f} {step:>8.3f}")
+    print(f"\n5. estimator vs this run (2 nodes x 2 ranks, GPT '{preset}', micro-batch 2): rates measured by each rank "
+          f"at the start, medians: matmul {rates['flops'] / 1e9:.2f} GFLOP/s, gloo all-gather "
+          f"{rates['link'] / 1e9:.3f} GB/s, quantize + dequantize {rates['q+dq float32'] / 1e9:.2f} GB/s fp32, "
+          f"{rates['q+dq bfloat16'] / 1e9:.2f} GB/s bf16")
+    print("  a. from the rates alone; b. calibrated on stage 3 of the same precision: its measured step less its "
+          "ledger comm seconds is the non-comm time, its sent bytes over those seconds the link rate; the other "
+          "configs then get that non-comm time + their estimated sent bytes at that rate + quantization")
+    print(f"  {'precision':9} {'config':10} {'compute ms':>10} {'comm ms':>8} {'quant ms':>9} {'a. pred ms':>10} "
+          f"{'b. pred ms':>10} {'measured':>9} {'ledger comm':>11} {'meas / a':>8} {'meas / b':>8}")
+    predicted = _predictions(preset, rates, CONFIGS)
+    for (precision, name), cand in predicted.items():
+        t, r, base = cand.time, results[(precision, name)], results[(precision, "stage 3")]
+        sent = sum(sum(ops.values()) for ops in cand.comm.sent_by_scope().values())
+        base_sent = sum(sum(ops.values()) for ops in predicted[(precision, "stage 3")].comm.sent_by_scope().values())
+        rest = max(0.0, base["step_s"] - base["comm_s"])
+        calibrated = rest + sent * base["comm_s"] / base_sent + t.quantization
+        print(f"  {precision:9} {name:10} {t.compute * 1e3:>10.1f} {t.comm_exposed * 1e3:>8.1f} "
+              f"{t.quantization * 1e3:>9.2f} {t.step * 1e3:>10.1f} {calibrated * 1e3:>10.1f} {r['step_s'] * 1e3:>9.1f} "
+              f"{r['comm_s'] * 1e3:>11.1f} {r['step_s'] / t.step:>7.1f}x {r['step_s'] / calibrated:>7.2f}x")
 
 
 if __name__ == "__main__":

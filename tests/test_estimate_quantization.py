@@ -70,3 +70,40 @@ def test_plan_recommends_zeropp_only_where_the_link_saves_more_than_quantization
     # ... while on a 25 Gb/s link the saving still exceeds even that cost
     slower_link = _plan_30b("eth-25g")
     assert slower_link.winner.strategy.zeropp and slower_link.winner.time.quantization > 1.0
+
+
+def test_the_rate_comes_from_the_argument_then_the_cluster_then_the_device_kind():
+    """A measured rate passed as Cluster(quantize_bw=...) is what `evaluate` and `plan` charge;
+    where the host is the device (CPU ranks) the stated CPU rate, else the GPU one."""
+    from dataclasses import replace
+
+    from zeroshard.policies import ConfigError
+
+    shape = shape_from_params("1.3B")
+    gpu = Cluster(2, 8, gpu_spec("a100-80gb"), inter_node_link("roce-100g").bw_per_node, 1 << 40)
+    work = Workload(seq=2048, micro_batch=1, precision=Precision.BF16)
+    s = Strategy(stage=Stage.PARAMETERS, precision=Precision.BF16, quantized_weights=True, quantized_gradients=True)
+    codec = evaluate(shape, s, gpu, work).comm.total("codec_bytes")
+    assert evaluate(shape, s, gpu, work).time.quantization == pytest.approx(codec / (2 * timing.QUANTIZE_BW))
+    cpu = replace(s, host_is_device=True)
+    assert evaluate(shape, cpu, gpu, work).time.quantization == pytest.approx(codec / (2 * timing.CPU_QUANTIZE_BW))
+    measured = replace(gpu, quantize_bw=3e9)
+    for strategy in (s, cpu):
+        assert evaluate(shape, strategy, measured, work).time.quantization == pytest.approx(codec / 6e9)
+    t = timing.estimate_time(shape, s, measured, evaluate(shape, s, measured, work).comm, 2048, 1, quantize_bw=1e9)
+    assert t.quantization == pytest.approx(codec / 2e9)
+    with pytest.raises(ConfigError, match="quantize"):
+        replace(gpu, quantize_bw=0.0)
+
+
+def test_plan_charges_the_clusters_measured_rate():
+    # 30B on 2 x 8 A100-40GB over roce-100g picks ZeRO++ at the stated GPU rate (above); with a
+    # measured rate of a tenth of it on the Cluster, ZeRO++ loses and is not recommended
+    from dataclasses import replace
+
+    cl = Cluster(2, 8, gpu_spec("a100-40gb"), inter_node_link("roce-100g").bw_per_node, 1 << 41)
+    work = Workload(seq=2048, micro_batch=1)
+    assert plan(shape_from_params("30B"), cl, work).winner.strategy.zeropp
+    slow = plan(shape_from_params("30B"), replace(cl, quantize_bw=timing.QUANTIZE_BW / 10), work)
+    assert slow.winner.strategy.stage == Stage.PARAMETERS and not slow.winner.strategy.zeropp
+    assert any("trying ZeRO++" in line for line in slow.route), slow.route

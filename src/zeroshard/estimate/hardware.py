@@ -100,6 +100,10 @@ class Cluster:
     host_mem_bw: float = DEFAULT_HOST_MEM_BW
     nvme_bw: float = DEFAULT_NVME_BW
     achieved_flops: float | None = None  # FLOP/s per GPU; None: peak * ACHIEVED_FLOPS_FRACTION
+    # ZeRO++ quantize + dequantize rate per device, bytes of the 16/32-bit tensor per second
+    # (bench/bench_quantize.py's "q+dq"); None: timing's stated rate (QUANTIZE_BW on a GPU,
+    # CPU_QUANTIZE_BW where the host is the device)
+    quantize_bw: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -110,6 +114,8 @@ class Cluster:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.achieved_flops is not None and self.achieved_flops <= 0:
             raise ConfigError(f"achieved FLOP/s must be positive, got {self.achieved_flops}")
+        if self.quantize_bw is not None and self.quantize_bw <= 0:
+            raise ConfigError(f"quantize + dequantize rate must be positive bytes/s, got {self.quantize_bw}")
 
     @property
     def world_size(self) -> int:

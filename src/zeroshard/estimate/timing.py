@@ -9,10 +9,12 @@ backward, stage-3 prefetch) hide behind the compute of their phase.
 offload: PCIe copies, the CPU optimizer (bound by host memory bandwidth) and NVMe
 reads/writes of the partitions, added without overlap (a conservative bound).
 quantization (ZeRO++ qwZ / qgZ): every byte of a 16/32-bit tensor a quantized collective
-quantizes or dequantizes (`Collective.codec_bytes`) costs 1 / (2 x QUANTIZE_BW) seconds, on the
-device that computes and without overlap: it competes with compute for the same cores or SMs.
-So ZeRO++ wins only where the link time it saves exceeds that, and the planner (which ranks
-by `step`) does not recommend it where it loses.
+quantizes or dequantizes (`Collective.codec_bytes`) costs 1 / (2 x rate) seconds, on the device
+that computes and without overlap: it competes with compute for the same cores or SMs. The rate
+is `quantize_bw` where given (estimate_time's argument, else the Cluster's: a measured
+bench/bench_quantize.py "q+dq"), else the stated QUANTIZE_BW on a GPU or CPU_QUANTIZE_BW where
+the host is the device. So ZeRO++ wins only where the link time it saves exceeds that, and the
+planner (which ranks by `step`) does not recommend it where it loses.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from zeroshard.estimate.byte_units import FP32_BYTES, GB
 
 __all__ = ["TimeEstimate", "estimate_time", "flops_per_token", "FLOPS_PER_PARAM_PER_TOKEN",
            "RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN", "ATTENTION_FLOPS_COEF", "BACKWARD_FRACTION", "QUANTIZE_BW",
-           "quantization_seconds"]
+           "CPU_QUANTIZE_BW", "quantization_seconds", "quantize_rate"]
 
 FLOPS_PER_PARAM_PER_TOKEN = 6  # 2 forward + 4 backward (Kaplan et al. 2020, sec. 2.1)
 RECOMPUTE_FLOPS_PER_PARAM_PER_TOKEN = 2  # one more forward under activation checkpointing
@@ -38,12 +40,16 @@ ATTENTION_FLOPS_COEF = 12  # 12 * L * h * s per token (nanoGPT estimate_mfu; PaL
 BACKWARD_FRACTION = 2 / 3  # share of the step's compute in backward
 # ZeRO++'s quantize + dequantize rate on the device that computes, in bytes of the 16/32-bit
 # tensor per second: bench/bench_quantize.py's "q+dq" (the input over quantize time plus
-# dequantize time). zeroshard quantizes with plain torch ops, about 7 passes over the tensor
-# (~40 bytes of memory traffic per fp32 element for quantize + dequantize), so on a GPU about
-# HBM bandwidth x 4 / 40: ~150 GB/s on an A100 (1.6 TB/s), ~300 GB/s on an H100 (not measured:
-# no GPU here); 100 GB/s is the stated figure. On this repository's 2-core CPU, measured:
-# 1.3-2.2 GB/s fp32, 0.3-1 GB/s bf16 (bench/RESULTS.md, ZeRO++ section): pass `quantize_bw`.
+# dequantize time). On a GPU zeroshard quantizes with torch ops, about 7 passes over the tensor
+# (~40 bytes of memory traffic per fp32 element for quantize + dequantize), so about HBM
+# bandwidth x 4 / 40: ~150 GB/s on an A100 (1.6 TB/s), ~300 GB/s on an H100 (not measured: no
+# GPU here); 100 GB/s is the stated figure.
 QUANTIZE_BW = 100 * GB
+# Where the host is the device (zeroshard on gloo), CPU tensors run comm.quantize_native's fused
+# kernel, one thread per rank: bench/bench_quantize.py on this repository's 2-core VM (load ~19,
+# bench/RESULTS.md) measured q+dq 2.3-2.5 GB/s bf16 and 2.5-3.2 GB/s fp32 at 4-16 MiB (median
+# wall clock); 2 GB/s is the stated figure. Pass a machine's own as Cluster(quantize_bw=...).
+CPU_QUANTIZE_BW = 2 * GB
 
 
 def flops_per_token(shape: ModelShape, seq: int, checkpointing: bool) -> float:
@@ -82,6 +88,16 @@ class TimeEstimate:
         return {**asdict(self), "step": self.step, "tokens_per_second": self.tokens_per_second}
 
 
+def quantize_rate(cluster: Cluster, host_is_device: bool = False, quantize_bw: float | None = None) -> float:
+    """ZeRO++'s quantize + dequantize rate (bytes/s): `quantize_bw`, else the cluster's, else
+    the stated one for the device kind (read when called)."""
+    if quantize_bw is not None:
+        return quantize_bw
+    if cluster.quantize_bw is not None:
+        return cluster.quantize_bw
+    return CPU_QUANTIZE_BW if host_is_device else QUANTIZE_BW
+
+
 def quantization_seconds(comm: CommEstimate, quantize_bw: float | None = None) -> float:
     """Seconds per step one rank spends quantizing and dequantizing (ZeRO++): each byte of
     `codec_bytes` at half the quantize + dequantize rate (`QUANTIZE_BW` unless given)."""
@@ -94,8 +110,8 @@ def quantization_seconds(comm: CommEstimate, quantize_bw: float | None = None) -
 def estimate_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, comm: CommEstimate, seq: int,
                   micro_batch: int, gradient_accumulation_steps: int = 1,
                   quantize_bw: float | None = None) -> TimeEstimate:
-    """`quantize_bw`: ZeRO++'s quantize + dequantize rate in bytes/s (default `QUANTIZE_BW`,
-    read when called)."""
+    """`quantize_bw`: ZeRO++'s quantize + dequantize rate in bytes/s (default: `quantize_rate`,
+    the cluster's or the stated one for the device kind)."""
     s, c, gas = strategy, cluster, gradient_accumulation_steps
     n, k_node = c.world_size, c.gpus_per_node
     tokens_rank = micro_batch * seq * gas
@@ -137,4 +153,5 @@ def estimate_time(shape: ModelShape, strategy: Strategy, cluster: Cluster, comm:
             nvme += k_node * s.param_bytes * (own_params * fetches + own) / c.nvme_bw
     return TimeEstimate(compute=compute, comm_total=comm_intra + comm_inter, comm_intra=comm_intra,
                         comm_inter=comm_inter, comm_exposed=exposed, pcie=pcie, cpu_optimizer=cpu, nvme=nvme,
-                        tokens_per_step=tokens_rank * n, quantization=quantization_seconds(comm, quantize_bw))
+                        tokens_per_step=tokens_rank * n,
+                        quantization=quantization_seconds(comm, quantize_rate(c, s.host_is_device, quantize_bw)))
