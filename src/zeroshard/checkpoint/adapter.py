@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.format import train_state_of
-from zeroshard.checkpoint.exchange import agree
+from zeroshard.checkpoint.exchange import agree, agreed
 from zeroshard.checkpoint.export import stream_entries, target_dtype
 from zeroshard.checkpoint.files import Entry, write_safetensors, write_small
 from zeroshard.checkpoint.reader import CheckpointReader
@@ -193,9 +193,7 @@ def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
     """Write the engine's LoRA adapter in peft's format from rank 0, in the compute dtype;
     call on every rank. Stage 3 gathers one trainable bucket at a time, no frozen unit."""
     ts = train_state_of(engine)
-    error: BaseException | None = None
-    meta = names = adapter = None
-    try:
+    with agreed(ts.comm, ts.device, "save_adapter"):
         meta = peft_meta(ts.module)
         sd = ts.module.state_dict(keep_vars=True)
         in_bucket = {id(p) for b in ts.buckets for p in b.params}
@@ -207,13 +205,11 @@ def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
         if others:
             raise CheckpointError(f"trainable tensors that are not LoRA adapters ({', '.join(others[:3])}) would "
                                   "be lost by save_adapter; use save_checkpoint + `zeroshard export --exclude-frozen`")
-    except BaseException as exc:
-        error = exc
-    agree(ts.comm, error, ts.device, "save_adapter")
     entries, finish = stream_entries(ts, [(n, sd[n]) for n in names], ts.buckets,
                                      gather=ts.settings.zero.stage == Stage.PARAMETERS,
                                      key=lambda n: peft_key(n, adapter))
     written: list[str] = []
+    error: BaseException | None = None
     try:
         if ts.rank == 0:
             written = _write_adapter(os.fspath(save_dir), entries, meta["config"])

@@ -8,8 +8,9 @@ clear error on every rank instead of a hang in the next collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -43,6 +44,18 @@ def agree(comm, error: BaseException | None, device: torch.device, doing: str) -
         rank, message = failed[0]
         others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         raise CheckpointError(f"{doing} failed on rank {rank}{others}: {message}")
+
+
+@contextlib.contextmanager
+def agreed(comm, device: torch.device, doing: str) -> Iterator[None]:
+    """`agree` on the outcome of the block: an error in it, on any rank, is raised on every rank
+    as the block ends (this rank's own, or the first failing rank's)."""
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:
+        error = exc
+    agree(comm, error, device, doing)
 
 
 def barrier(comm, device: torch.device, what: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from zeroshard.checkpoint.format import train_state_of
-from zeroshard.checkpoint.exchange import agree
+from zeroshard.checkpoint.exchange import agree, agreed
 from zeroshard.checkpoint.files import Entry, WriteError, write_safetensors, write_small
 from zeroshard.checkpoint.deepspeed_reader import open_checkpoint
 from zeroshard.checkpoint.reader import CheckpointReader
@@ -159,30 +159,23 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | 
     gathered one bucket at a time (peak: about one unit) while rank 0 writes them.
     Without the flag it raises and writes nothing, never placeholder tensors."""
     ts = train_state_of(engine)
-    written: list[str] = []
-    error: BaseException | None = None
     stage3 = ts.settings.zero.stage == Stage.PARAMETERS
-    try:
+    with agreed(ts.comm, ts.device, "save_16bit_model"):
         if stage3 and not ts.settings.zero.stage3.gather_16bit_weights_on_model_save:
             raise CheckpointError(
                 "save_16bit_model at ZeRO stage 3 gathers the sharded weights, which this config does not allow: "
                 "set zero_optimization.stage3_gather_16bit_weights_on_model_save to true, or call "
                 "engine.save_checkpoint(dir) and run `zeroshard export dir OUT --dtype bf16`, which consolidates "
                 "the shards without gathering the model on any rank. Nothing was written")
-    except BaseException as exc:
-        error = exc
-    agree(ts.comm, error, ts.device, "save_16bit_model")
     if stage3:
         return _save_16bit_stage3(ts, os.fspath(save_dir), max_shard_size)
-    try:
+    written: list[str] = []
+    with agreed(ts.comm, ts.device, "save_16bit_model"):
         if ts.rank == 0:
             entries = [Entry(name, tuple(t.shape), t.dtype, (lambda t=t: t.detach()))
                        for name, t in ts.module.state_dict().items()]
             config = _config_for(model_config(ts.module), ts.compute_dtype, type(ts.module).__name__)
             written = write_model(os.fspath(save_dir), entries, max_shard_size, config)
-    except BaseException as exc:
-        error = exc
-    agree(ts.comm, error, ts.device, "save_16bit_model")
     return written
 
 

@@ -19,7 +19,7 @@ import torch
 
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.format import train_state_of
-from zeroshard.checkpoint.exchange import agree
+from zeroshard.checkpoint.exchange import agreed
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint, open_checkpoint
 from zeroshard.checkpoint.deepspeed_reader import resume as deepspeed_resume
@@ -36,9 +36,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     `client_state`."""
     ts = train_state_of(engine)
     device = ts.device
-    reader: CheckpointReader | DeepSpeedCheckpoint | None = None
-    error: BaseException | None = None
-    try:
+    with agreed(ts.comm, device, "loading checkpoint"):
         reader = open_checkpoint(load_dir, tag)
         check_model(reader, ts)
         if load_optimizer_states:
@@ -48,26 +46,20 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                 check_optimizer(reader, ts)
         files = sorted(f for f in reader.files if load_optimizer_states or ".optim." not in f)
         reader.verify(files[ts.rank :: ts.world_size])  # each file hashed by one rank
-    except BaseException as exc:
-        error = exc
-    agree(ts.comm, error, device, "loading checkpoint")
-    assert reader is not None
-    try:
-        with torch.no_grad():
-            load_masters(reader, ts)
-            load_frozen_shards(reader, ts)
-            load_module_tensors(reader, ts)
-            if load_optimizer_states:
-                load_optimizer(reader, ts)
-        if isinstance(reader, DeepSpeedCheckpoint):
-            deepspeed_resume.apply_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
-        else:
-            _load_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
-    except BaseException as exc:
-        error = exc
-    finally:
-        reader.close()
-    agree(ts.comm, error, device, "loading checkpoint")
+    with agreed(ts.comm, device, "loading checkpoint"):
+        try:
+            with torch.no_grad():
+                load_masters(reader, ts)
+                load_frozen_shards(reader, ts)
+                load_module_tensors(reader, ts)
+                if load_optimizer_states:
+                    load_optimizer(reader, ts)
+            if isinstance(reader, DeepSpeedCheckpoint):
+                deepspeed_resume.apply_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
+            else:
+                _load_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
+        finally:
+            reader.close()
     ts.refresh_params()
     return reader.meta.get("client_state") or {}
 

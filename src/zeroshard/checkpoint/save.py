@@ -25,7 +25,7 @@ import torch
 
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.adapter import PEFT_META_KEY, peft_meta
-from zeroshard.checkpoint.exchange import agree, all_records
+from zeroshard.checkpoint.exchange import agree, agreed, all_records
 from zeroshard.checkpoint.files import fsync_dir, write_safetensors, write_small
 from zeroshard.checkpoint.format import (
     FORMAT, LATEST, META, OLD_PREFIX, TMP_PREFIX, VERSION, check_tag, dumps, json_safe, rank_file as rank_file_name,
@@ -47,20 +47,17 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     device = ts.device
     tag = tag if tag is not None else f"global_step{ts.counters.global_steps}"
     tmp = os.path.join(save_dir, TMP_PREFIX + tag)
-    error: BaseException | None = None
-    try:
+    with agreed(ts.comm, device, "saving checkpoint"):
         check_tag(tag)
         client = json_safe(client_state or {}, "client_state")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise CheckpointError(f"keep_last must be a positive integer, got {keep_last!r}")
         if ts.rank == 0:
             _prepare(save_dir, tmp)
-    except BaseException as exc:
-        error = exc
-    agree(ts.comm, error, device, "saving checkpoint")
 
     table = name_table_of(ts)
     record: dict[str, Any] = {}
+    error: BaseException | None = None
     try:
         part = rank_file(ts, table)
         check_space(save_dir, sum(e.nbytes for e in (*part.entries, *part.optim_entries)),
