@@ -1,5 +1,7 @@
 """A fused CPU kernel for ZeRO++'s block quantization (issue 24): the same results as
-comm.quantization's torch ops, bit for bit, in one pass per block each way.
+comm.quantization's torch ops, bit for bit (the one difference: the scale of a block of signed
+zeros may be +0 where the torch ops give -0, equal under torch.equal), in one pass per block
+each way.
 
 The torch formulation is at least five passes per quantize (amax, amin, scale, round, convert;
 bf16 adds one) and two per dequantize, each about a copy's cost: 0.1-0.3 of a copy's bandwidth
