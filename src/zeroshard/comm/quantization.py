@@ -101,10 +101,17 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _kernel_for(*tensors: torch.Tensor):
-    """The fused kernel where it applies to these tensors (CPU, contiguous), else None."""
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return None
+    """The fused kernel where it applies to these tensors (CPU, contiguous), else None. Plain
+    attribute tests, no generator: a call's fixed cost counts for the small buckets of a
+    small model (bench/RESULTS.md)."""
+    for t in tensors:
+        if not (t.is_cpu and t.is_contiguous()):
+            return None
     return native.kernel()
+
+
+def _as_rows(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    return t if t.dim() == 2 and t.shape[0] == r and t.shape[1] == n else t.view(r, n)
 
 
 def quantize(x: torch.Tensor, blocks: Blocks,
@@ -113,18 +120,19 @@ def quantize(x: torch.Tensor, blocks: Blocks,
     (rows, payload_bytes) (int4: two values per byte, low nibble first, stored as int8 bits),
     scales fp32 (rows, count); written into `out` (payload, scales) of those shapes when given
     (int8 only: int4 packs into a new tensor)."""
-    rows = x.reshape(-1, blocks.n)
+    n = blocks.n
+    rows = x if x.dim() == 2 and x.shape[1] == n else x.reshape(-1, n)
     r = rows.shape[0]
     given = out is not None and blocks.bits == 8
-    lib = _kernel_for(rows, *(out if given else ())) if x.dtype in _NATIVE_DTYPES else None
+    lib = (_kernel_for(rows, *out) if given else _kernel_for(rows)) if x.dtype in _NATIVE_DTYPES else None
     if lib is None:
         return quantize_torch(x, blocks, out)
     if given:
-        payload, scales = out[0].view(r, blocks.payload_bytes), out[1].view(r, blocks.count)
+        payload, scales = _as_rows(out[0], r, blocks.payload_bytes), _as_rows(out[1], r, blocks.count)
     else:
         payload = torch.empty(r, blocks.payload_bytes, dtype=torch.int8)
         scales = torch.empty(r, blocks.count, dtype=torch.float32)
-    if lib.zs_quantize(rows.data_ptr(), int(x.dtype == torch.bfloat16), blocks.n, blocks.count, blocks.size,
+    if lib.zs_quantize(rows.data_ptr(), x.dtype == torch.bfloat16, n, blocks.count, blocks.size,
                        blocks.bits, payload.data_ptr(), scales.data_ptr(), 0, r * blocks.count):
         raise MemoryError(f"quantize: no memory for a working block of {blocks.size} values")
     return payload, scales
@@ -135,7 +143,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
     """Inverse of `quantize`: (rows, n) in `dtype` (computed in fp32), written into `out`
     ((rows, n) of `dtype`, e.g. the all-gather's output) when given."""
     r = scales.shape[0]
-    dst = torch.empty(r, blocks.n, dtype=dtype, device=payload.device) if out is None else out.view(r, blocks.n)
+    dst = torch.empty(r, blocks.n, dtype=dtype, device=payload.device) if out is None else _as_rows(out, r, blocks.n)
     native_ok = dst.dtype in _NATIVE_DTYPES and scales.dtype == torch.float32 and payload.dtype == torch.int8
     lib = _kernel_for(payload, scales, dst) if native_ok else None
     if lib is None:
@@ -144,7 +152,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks,
         raise ValueError(f"dequantize: {payload.numel()} payload bytes and {scales.numel()} scales for {r} rows "
                          f"of {blocks.payload_bytes} and {blocks.count}; pass quantize's (payload, scales)")
     lib.zs_dequantize(payload.data_ptr(), scales.data_ptr(), blocks.bits, blocks.n, blocks.count, blocks.size,
-                      dst.data_ptr(), int(dst.dtype == torch.bfloat16), 0, r * blocks.count)
+                      dst.data_ptr(), dst.dtype == torch.bfloat16, 0, r * blocks.count)
     return dst
 
 
