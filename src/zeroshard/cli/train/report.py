@@ -53,13 +53,12 @@ def make_progress(console: Console, total: int, disable: bool) -> Progress:
 
 def gather_memory(engine) -> list[dict[str, int]]:
     """Every rank's memory_stats() (now and peak, by category), on every rank. A collective."""
-    stats = engine.memory_stats()
-    keys = [*MEMORY_KINDS, *(f"peak_{k}" for k in MEMORY_KINDS), "tier_device", "tier_host", "tier_nvme"]
-    ts = engine.train_state
+    keys = [*MEMORY_KINDS, *(f"peak_{k}" for k in MEMORY_KINDS), "tier_device", "tier_host", "tier_nvme",
+            "optimizer_masters"]
     # fp32 masters kept apart from the parameters (offload tiers, 16-bit training): plain DP
     # in fp32 holds none, so its baseline must not copy them
-    stats = {**stats, "optimizer_masters": engine.memory.held("optimizer_states", "master.")}
-    keys.append("optimizer_masters")
+    stats = {**engine.memory_stats(), "optimizer_masters": engine.memory.held("optimizer_states", "master.")}
+    ts = engine.train_state
     mine = torch.tensor([int(stats.get(k, 0)) for k in keys], dtype=torch.int64, device=ts.device)
     everyone = torch.empty(ts.world_size * len(keys), dtype=torch.int64, device=ts.device)
     ts.comm.all_gather(everyone, mine, what="zeroshard train: per-rank memory").wait()
