@@ -30,12 +30,12 @@ def _configure_logging() -> None:
 
 def initialize(model: nn.Module, config: Mapping[str, Any] | str | os.PathLike, optimizer: OptimizerArg = None,
                lr_scheduler: SchedulerArg = None) -> Engine:
-    """Wrap `model` for ZeRO training. `config` is a dict or the path of a DeepSpeed-style JSON file, validated before any
-    process-group work. `optimizer` is used when the config has no `optimizer` section: a
-    callable `params -> torch.optim.Optimizer`, or an optimizer built over `model`'s
-    parameters (its class, defaults and param groups are rebuilt over the shards).
-    `lr_scheduler` is a callable `optimizer -> scheduler`, or a scheduler over that
-    optimizer; otherwise the config's `scheduler` section applies."""
+    """Wrap `model` for ZeRO training. `config` is a dict or the path of a DeepSpeed-style JSON
+    file, validated before any process-group work. `optimizer` is used when the config has no
+    `optimizer` section: a callable `params -> torch.optim.Optimizer`, or an optimizer built over
+    `model`'s parameters (its class, defaults and param groups are rebuilt over the shards).
+    `lr_scheduler` is a callable `optimizer -> scheduler`, or a scheduler over that optimizer;
+    otherwise the config's `scheduler` section applies."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
