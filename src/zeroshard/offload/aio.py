@@ -3,9 +3,14 @@ writes (`os.preadv` / `os.pwritev`, which release the GIL) into page-aligned hos
 
 Nothing to compile. `O_DIRECT` is used where the filesystem accepts it (probed once per
 folder: open with O_DIRECT and write one aligned block) and buffered I/O otherwise; which one
-runs is reported. A request is cut into `block_size` pieces, each a task of the pool; with
-synchronous syscalls the number of requests in flight at once is the thread count, so the
-pool has `queue_depth x intra_op_parallelism` threads (DeepSpeed's aio knobs, mapped).
+runs is reported. A request is cut into pieces of MAX_PIECE (a smaller request is one piece,
+never under `block_size`), each a task of the pool; the kernel splits a piece into the disk's
+own request size and queues those together, as for `dd bs=64M`. With synchronous
+syscalls the number of requests in flight at once is the thread count, so the pool has
+`queue_depth x intra_op_parallelism` threads (DeepSpeed's aio knobs, mapped). Large pieces
+matter on a virtual disk: there each request costs the host a fixed overhead, and writes of
+64 MiB pieces measured 0.16-0.21 GB/s against 0.05-0.08 GB/s for 1 MiB pieces on the same
+path in the same run (bench/bench_nvme.py --io-only --sweep, bench/RESULTS.md, issue 24).
 Short reads and writes are retried from where they stopped; ENOSPC becomes a
 `NvmeSpaceError` naming the folder and what to do.
 
@@ -27,6 +32,7 @@ import torch
 from zeroshard.policies import NvmeError, NvmeSpaceError
 
 ALIGN = 4096  # O_DIRECT needs buffer address, file offset and length aligned to the logical block
+MAX_PIECE = 64 << 20  # the largest piece one thread moves in one syscall
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -61,6 +67,12 @@ class AioSettings:
     threads: int = 8
     single_submit: bool = False
     overlap: bool = True
+
+
+def piece_size(nbytes: int, settings: AioSettings) -> int:
+    """Bytes per piece of an `nbytes` request: the whole request up to MAX_PIECE (larger ones
+    are cut into MAX_PIECE pieces that the threads move at once), never under `block_size`."""
+    return max(settings.block_size, min(MAX_PIECE, align_up(max(nbytes, 1))))
 
 
 def probe_direct(folder: str) -> tuple[bool, str]:
@@ -128,7 +140,8 @@ class IOEngine:
 
     def describe(self) -> str:
         s = self.settings
-        return (f"{self.mode}, {s.threads} I/O thread(s), {s.block_size // 1024} KiB pieces"
+        return (f"{self.mode}, {s.threads} I/O thread(s), pieces of {s.block_size // 1024} KiB to "
+                f"{max(s.block_size, MAX_PIECE) >> 20} MiB (a request up to that is one piece)"
                 + (", single submit" if s.single_submit else "") + ("" if s.overlap else ", no overlap"))
 
     def open(self, name: str) -> str:
@@ -160,7 +173,7 @@ class IOEngine:
             raise ValueError("aio: the buffer must be a contiguous CPU tensor")
         nbytes = t.numel() * t.element_size()
         fd = self._fd(path, t, offset)
-        block = self.settings.block_size
+        block = piece_size(nbytes, self.settings)
         pieces = [(s, min(block, nbytes - s)) for s in range(0, nbytes, block)]
         what = f"{'write' if write else 'read'} of {nbytes:,} bytes at {offset:,} in {path}"
         if self.settings.single_submit:  # one request at a time: the pieces run one after another

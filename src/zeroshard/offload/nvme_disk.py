@@ -19,7 +19,8 @@ def aio_settings(policy: AioPolicy) -> tuple[AioSettings, list[str]]:
     it became (libaio's knobs have no one-to-one meaning for a thread pool)."""
     threads = max(1, min(64, policy.queue_depth * policy.intra_op_parallelism))
     lines = [
-        f"aio.block_size={policy.block_size}: each request is cut into pieces of this many bytes",
+        f"aio.block_size={policy.block_size}: the smallest piece; a request is moved in pieces of up to 64 MiB "
+        "(a smaller request in one), so that few large requests reach the disk (the kernel queues their parts)",
         f"aio.queue_depth={policy.queue_depth} x aio.intra_op_parallelism={policy.intra_op_parallelism}: "
         f"{threads} I/O thread(s), each with one positioned read/write in flight (so up to {threads} "
         "requests are outstanding, as libaio's queue would hold)",

@@ -20,12 +20,14 @@ so reading the next, stepping k and writing the previous overlap, in whatever or
 sub-groups step: 0, 1, 2 after backward, or the units' reverse order when they step during
 backward as their gradients become final (`can_step_early`). A file region is never read
 while a write of it is in flight: a sub-group's regions are written only from the buffer
-that holds its values, and that buffer's writes are waited for before it takes another. The host buffers are `slots` aligned
-buffers of the largest sub-group's (1 + K) x elements x 4 bytes (K: the optimizer's
-per-element states, found by stepping a probe once); 3 slots give the full overlap, 2 read
-ahead only, 1 is serial. Host-resident optimizer bytes never exceed the slots (the first step
-of a sub-group, where the torch optimizer creates its states, adds that sub-group's states
-for the time of its step).
+that holds its values, and that buffer's writes are waited for before it takes another.
+
+The host buffers are `buffer_count` aligned buffers of the largest sub-group's (1 + K) x
+elements x 4 bytes (K: the optimizer's per-element states, found by stepping a probe once);
+3 give the full overlap, 2 read ahead only, 1 is serial; more keep more sub-groups' values
+between steps (not read again while still held; their files are written every step).
+Host-resident optimizer bytes never exceed the buffers (the first step of a sub-group, where
+the torch optimizer creates its states, adds that sub-group's states for the time of its step).
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ def buffer_plan(buffer_count: int) -> tuple[int, str]:
     if buffer_count == 2:
         return 2, (f"buffer_count=2: sub-group k+1 is read during step k, but k-1's write finishes first; "
                    f"set buffer_count: {FULL_PIPELINE} to overlap the writes too")
-    extra = "" if buffer_count == FULL_PIPELINE else f" (buffer_count={buffer_count}: {FULL_PIPELINE} are all it uses)"
-    return FULL_PIPELINE, f"{FULL_PIPELINE} buffers: read k+1 / step k / write k-1 overlap{extra}"
+    extra = "" if buffer_count == FULL_PIPELINE else (
+        f"; the other {buffer_count - FULL_PIPELINE} keep the values of sub-groups stepped earlier, so a sub-group "
+        "still in a buffer at its next step is not read again (its file is still written every step)")
+    return buffer_count, f"{buffer_count} buffers: read next / step k / write previous overlap{extra}"
 
 
 class _Slot:
