@@ -1,5 +1,6 @@
 """Resuming checkpoints that real DeepSpeed wrote (tests/fixtures/deepspeed_ckpt, made by
-make_fixtures.py with DeepSpeed 0.18 on its CPU accelerator, 2 gloo ranks).
+make_fixtures.py with DeepSpeed 0.18 on its CPU accelerator, 2 gloo ranks), ZeRO stages 0-3
+(stage 0: no ZeRO, everything in the model-states file).
 
 Each fixture: DeepSpeed trained common.K steps and saved; then DeepSpeed itself resumed and
 trained K more, recording its losses and final fp32 parameters (<case>.json). Here zeroshard
@@ -199,8 +200,8 @@ def _check_reshard(results: list[dict], plan: list[tuple[str, int]]) -> dict:
     return report
 
 
-RESHARD_1 = [("stage1_fp32", 0), ("stage3_fp32", 2), ("stage2_bf16", 3), ("stage3_fp32_frozen", 1)]
-RESHARD_3 = [("stage1_fp32", 3), ("stage3_fp32", 1), ("stage3_bf16", 2), ("stage2_bf16_frozen", 3)]
+RESHARD_1 = [("stage1_fp32", 0), ("stage3_fp32", 2), ("stage2_bf16", 3), ("stage3_fp32_frozen", 1), ("stage0_bf16", 2)]
+RESHARD_3 = [("stage1_fp32", 3), ("stage3_fp32", 1), ("stage3_bf16", 2), ("stage2_bf16_frozen", 3), ("stage0_fp32", 3)]
 
 
 @pytest.mark.parametrize("world, plan", [(1, RESHARD_1), (3, RESHARD_3)])
@@ -270,6 +271,28 @@ def test_planted_pickle_is_refused_and_never_runs(tmp_path):
     assert not os.path.exists(marker)
 
 
+def _swap_out_like_deepspeed(rank: int, world: int, root: str) -> None:
+    """What DeepSpeed 0.18 (stage 3, offload_optimizer nvme) saves for a sub-group of 1 MiB or
+    more: its fp32 partition and Adam states emptied in the optim_states file (swap_tensor's
+    release_memory sets them to torch.Tensor()), the values copied as raw swap files into
+    offloaded_tensors/rankNN/ (engine.save_checkpoint). Done in a child process: the
+    rewrite needs stand-ins for DeepSpeed's classes (_fake_deepspeed_classes)."""
+    _fake_deepspeed_classes()
+    tag = os.path.join(root, "global_step3")
+    for r in range(2):
+        path = os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        sd = torch.load(path, weights_only=False)
+        opt = sd["optimizer_state_dict"]
+        swap = os.path.join(tag, "offloaded_tensors", f"rank{r:02d}")
+        os.makedirs(swap)
+        for j, flat in enumerate(opt["fp32_flat_groups"]):
+            flat.detach().numpy().tofile(os.path.join(swap, f"{j}_{j}.tensor.swp"))
+            opt["fp32_flat_groups"][j] = torch.empty(0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                opt["optimizer_state_dict"]["state"][j][key] = torch.empty(0)
+        torch.save(sd, path)
+
+
 def _engine_error(rank: int, world: int, root: str, stage: int, model_kind: str) -> str:
     import zeroshard
 
@@ -312,10 +335,36 @@ def test_one_clear_error_each(tmp_path):
             DeepSpeedCheckpoint(root).verify()
         assert victim in str(err.value)
 
-    other = _copy("stage1_bf16", tmp_path / "nvme")
-    os.makedirs(os.path.join(other, "global_step3", "offloaded_tensors", "rank00"))
-    with pytest.raises(CheckpointError, match="offloaded_tensors: optimizer states DeepSpeed offloaded to NVMe"):
-        DeepSpeedCheckpoint(other)
+    nvme = _copy("stage3_fp32", tmp_path / "nvme")
+    run_ranks(_swap_out_like_deepspeed, 1, nvme, timeout=300)
+    with pytest.raises(CheckpointError, match=r"offloaded_tensors: optimizer states DeepSpeed offloaded to NVMe "
+                                              r"\(raw \*\.tensor\.swp files; .*zero_pp_rank_0_mp_rank_00_optim_states"
+                                              r"\.pt holds them empty\) are not read"):
+        DeepSpeedCheckpoint(nvme)
+    stage0 = _copy("stage0_fp32", tmp_path / "stage0")  # the optimizer holds fewer parameters than the module
+    model_file = _tag_file(stage0, "mp_rank_00_model_states")
+    sd = torch.load(model_file, weights_only=True)
+    sd["optimizer"]["param_groups"][0]["params"].pop()
+    sd["optimizer"]["state"].pop(5)
+    torch.save(sd, model_file)
+    with pytest.raises(CheckpointError, match=r"stage-0 optimizer holds 5 parameters, the module 6: DeepSpeed does "
+                                              r"not record which were frozen"):
+        DeepSpeedCheckpoint(stage0)
+
+    # ds_to_universal's output (deepspeed/checkpoint/ds_to_universal.py, run on stage2_fp32 with DeepSpeed
+    # 0.18.9): the model file copied beside zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt and
+    # zero/optimizer_state.pt, and `latest_universal` in the save_dir naming the folder
+    universal = tmp_path / "universal"
+    folder = universal / "global_step3_universal"
+    (folder / "zero" / "fc1.bias").mkdir(parents=True)
+    shutil.copy(os.path.join(FIX, "stage2_fp32", "global_step3", "mp_rank_00_model_states.pt"), folder)
+    torch.save({"cat_dim": 0, "param": torch.zeros(13)}, folder / "zero" / "fc1.bias" / "fp32.pt")
+    (universal / "latest_universal").write_text("global_step3_universal")
+    for where in (universal, folder):
+        with pytest.raises(CheckpointError, match=r"global_step3_universal: a DeepSpeed universal checkpoint "
+                                                  r"\(ds_to_universal's output.*load the checkpoint it was made from"):
+            open_checkpoint(str(where))
+
     other = _copy("stage1_bf16", tmp_path / "moe")
     open(os.path.join(other, "global_step3", "layer_0_expert_1_mp_rank_00_model_states.pt"), "wb").close()
     with pytest.raises(CheckpointError, match="mixture-of-experts and pipeline-parallel"):
@@ -347,7 +396,7 @@ def test_cli_inspect_export_convert(tmp_path, capsys):
         assert torch.equal(weights[name].flatten(), torch.tensor(e["value"]))
 
     plan = []
-    for case, stage in (("stage1_fp32", 3), ("stage3_bf16", 1), ("stage3_fp32_frozen", 2)):
+    for case, stage in (("stage1_fp32", 3), ("stage3_bf16", 1), ("stage3_fp32_frozen", 2), ("stage0_bf16", 3)):
         dst = tmp_path / "zs" / case
         assert main(["convert", os.path.join(FIX, case), str(dst)]) == 0
         assert (dst / "latest").read_text() == "global_step3" and (dst / "global_step3" / "meta.json").is_file()
@@ -590,3 +639,39 @@ def test_finding_the_tag():
     assert find_deepspeed_tag(tag) == tag
     assert find_deepspeed_tag(root, "global_step9") is None
     assert find_deepspeed_tag(FIX) is None
+
+
+def test_convert_carries_a_client_scheduler_when_named(tmp_path, capsys):
+    """A client LR scheduler (a torch one passed to deepspeed.initialize) is saved by DeepSpeed as
+    its state_dict() without its class: `zeroshard convert --lr-scheduler-class StepLR` carries
+    that state (inert numbers) into meta.json under the named class, and the scheduler it
+    restores gives the saved learning rate; without the flag it is left out, said so."""
+    from zeroshard.checkpoint.reader import CheckpointReader
+    from zeroshard.cli.main import main
+
+    root = _copy("stage1_fp32", tmp_path / "client_sched")
+    model_file = _tag_file(root, "mp_rank_00_model_states")
+    sd = torch.load(model_file, weights_only=True)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    sd["lr_scheduler"] = sched.state_dict()
+    del sd["ds_config"]["scheduler"]
+    torch.save(sd, model_file)
+
+    assert main(["convert", root, str(tmp_path / "plain")]) == 0
+    assert "lr_scheduler (a client scheduler" in capsys.readouterr().out
+    with CheckpointReader(str(tmp_path / "plain")) as r:
+        assert r.meta["lr_scheduler"] is None
+
+    assert main(["convert", root, str(tmp_path / "named"), "--lr-scheduler-class", "StepLR"]) == 0
+    assert "left out" not in capsys.readouterr().out
+    with CheckpointReader(str(tmp_path / "named")) as r:
+        saved = r.meta["lr_scheduler"]
+    assert saved["class"] == "StepLR" and saved["state"]["last_epoch"] == 5
+    fresh_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    fresh = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=2, gamma=0.5)
+    fresh.load_state_dict(saved["state"])
+    assert fresh.get_last_lr() == sched.get_last_lr() == [0.0025]

@@ -20,6 +20,9 @@ def register(subparsers) -> None:
     p.add_argument("ckpt", metavar="DS_CKPT", help="the DeepSpeed checkpoint directory (uses `latest`) or a tag folder")
     p.add_argument("out", metavar="OUT", help="directory for the zeroshard checkpoint (its tag and `latest` go there)")
     p.add_argument("--tag", help="DeepSpeed tag to convert (default: the one `latest` names)")
+    p.add_argument("--lr-scheduler-class", metavar="NAME",
+                   help="the class of a client LR scheduler (one passed to deepspeed.initialize, e.g. StepLR): "
+                        "DeepSpeed saves its state dict without the class; naming it carries the state over")
     p.set_defaults(func=run)
 
 
@@ -28,11 +31,11 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.policies import ZeroShardError
 
     try:
-        final, dropped = convert(args.ckpt, args.out, tag=args.tag)
+        final, dropped = convert(args.ckpt, args.out, tag=args.tag, scheduler_class=args.lr_scheduler_class)
     except ZeroShardError as exc:
         print(f"zeroshard convert: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {final} (zeroshard format; `latest` in {args.out} names it)")
     if dropped:
-        print(f"left out: {'; '.join(dropped)} (client_state entries that are not JSON are not carried)")
+        print(f"left out: {'; '.join(dropped)}")
     return 0

@@ -122,10 +122,27 @@ def _scaler_state(r: DeepSpeedCheckpoint) -> dict[str, Any]:
     return state
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = None) -> tuple[str, list[str]]:
+def _client_scheduler(r: DeepSpeedCheckpoint, scheduler_class: str | None) -> tuple[dict | None, str | None]:
+    """(meta entry, why not) for a client LR scheduler DeepSpeed saved as its state_dict(). The
+    state is inert data (numbers and lists; a LambdaLR's functions are saved as None), but
+    DeepSpeed does not record the scheduler's class, which zeroshard's loader checks: it is
+    carried when the caller names the class (`--lr-scheduler-class`)."""
+    state = (r.meta.get("lr_scheduler") or {}).get("state")
+    if scheduler_class is None:
+        return None, ("lr_scheduler (a client scheduler DeepSpeed saved as its state dict, without its class: pass "
+                      "--lr-scheduler-class NAME, e.g. StepLR, to carry it, or load the DeepSpeed folder itself)")
+    try:
+        return {"class": scheduler_class, "state": json_safe(state, "lr_scheduler state")}, None
+    except CheckpointError as exc:
+        return None, f"lr_scheduler ({exc})"
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = None,
+            scheduler_class: str | None = None) -> tuple[str, list[str]]:
     """Write the DeepSpeed checkpoint at `src` (tag `tag`, default its `latest`) as a zeroshard
     checkpoint under `out` (same tag name; `out/latest` names it). Returns (the new tag
-    directory, what was left out: client_state keys that are not JSON, a client scheduler)."""
+    directory, what was left out: client_state keys that are not JSON, a client scheduler
+    whose class `scheduler_class` does not name)."""
     out = os.fspath(out)
     with DeepSpeedCheckpoint(src, tag) as r:
         r.verify()
@@ -138,11 +155,12 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
             try:
                 client[k] = json_safe(v, "client_state")
             except CheckpointError:
-                dropped.append(k)
+                dropped.append(f"client_state[{k!r}] (not JSON)")
         meta_extra = {"lr_scheduler": _scheduler_state(r), "loss_scaler": _scaler_state(r)}
         if r.meta.get("lr_scheduler") is not None and meta_extra["lr_scheduler"] is None:
-            dropped.append("lr_scheduler (a client scheduler DeepSpeed saved as its state dict: load the DeepSpeed "
-                           "folder itself to keep it)")
+            meta_extra["lr_scheduler"], why = _client_scheduler(r, scheduler_class)
+            if why:
+                dropped.append(why)
         tmp = os.path.join(out, TMP_PREFIX + new_tag)
         final = os.path.join(out, new_tag)
         if os.path.exists(final):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.deepspeed_reader import safe_load
+from zeroshard.policies import CheckpointError
 
 FORMAT = "deepspeed"
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -48,13 +49,14 @@ def find_deepspeed_tag(path: str | os.PathLike, tag: str | None = None) -> str |
         return d if _has_ds_files(d) else None
     if _has_ds_files(path):
         return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8", errors="replace") as f:
-            name = f.read().strip()
-        d = os.path.join(path, name)
-        if name and _has_ds_files(d):
-            return d
+    for pointer in ("latest", "latest_universal"):  # latest_universal: written by ds_to_universal (refused by scan)
+        latest = os.path.join(path, pointer)
+        if os.path.isfile(latest):
+            with open(latest, encoding="utf-8", errors="replace") as f:
+                name = f.read().strip()
+            d = os.path.join(path, name)
+            if name and _has_ds_files(d):
+                return d
     return None
 
 
@@ -71,6 +73,49 @@ def scaler_fields(scaler: Any) -> dict[str, Any] | None:
                   if isinstance(v, (int, float, bool, str)) or (torch.is_tensor(v) and v.numel() == 1)}
         fields["class"] = scaler.type_name.rsplit(".", 1)[1]
         return fields
+    if isinstance(scaler, dict):  # stage 0: FP16_UnfusedOptimizer's own fields (runtime/fp16/unfused_optimizer.py)
+        fields = {k: v for k, v in scaler.items() if isinstance(v, (int, float, bool))}
+        fields["class"] = "DynamicLossScaler" if scaler.get("dynamic_loss_scale") else "LossScaler"
+        return fields
     if isinstance(scaler, (int, float)):
         return {"class": "LossScaler", "cur_scale": float(scaler)}
     return None
+
+
+def scan(tag_dir: str) -> tuple[dict[int, str], dict[int, str]]:
+    """({rank: model-states file}, {rank: optimizer-states file}) of a tag folder; one clear
+    error for what zeroshard does not read (MoE or pipeline files,
+    model parallel ranks, a universal checkpoint) and for a missing rank 0 model file."""
+    models, optims = {}, {}
+    names = sorted(os.listdir(tag_dir))
+    for name in names:
+        if UNSUPPORTED_FILE.match(name):
+            raise CheckpointError(f"{os.path.join(tag_dir, name)}: mixture-of-experts and pipeline-parallel "
+                                  "DeepSpeed checkpoints (files like this one) are not read; only data parallel "
+                                  "ZeRO checkpoints are")
+    for name in names:
+        for pattern, into, rank_group, mp_group in ((MODEL_FILE, models, 1, 2), (OPTIM_FILE, optims, 2, 3)):
+            m = pattern.match(name)
+            if not m:
+                continue
+            if int(m.group(mp_group)) != 0:
+                raise CheckpointError(f"{os.path.join(tag_dir, name)}: model (tensor) parallel checkpoints "
+                                      "(mp_rank > 0) are not supported; only data parallel ZeRO checkpoints are")
+            into[int(m.group(rank_group) or 0)] = name
+    if not optims and os.path.isdir(os.path.join(tag_dir, "zero")):
+        raise CheckpointError(f"{tag_dir}: a DeepSpeed universal checkpoint (ds_to_universal's output: zero/<param>/"
+                              "fp32.pt ...) is not read; load the checkpoint it was made from (its global_stepN folder, "
+                              "the one `latest` names), which zeroshard loads on any world size and stage")
+    if 0 not in models:
+        raise CheckpointError(f"{tag_dir}: missing rank file mp_rank_00_model_states.pt (or "
+                              "zero_pp_rank_0_mp_rank_00_model_states.pt): the checkpoint is incomplete")
+    return models, optims
+
+
+def nvme_error(tag_dir: str, rank_file: str) -> CheckpointError:
+    """DeepSpeed (stage 3, offload_optimizer nvme) saved some sub-groups' fp32 partition and
+    Adam states as raw swap files in offloaded_tensors/ and left them empty in the
+    optim_states file (runtime/swap_tensor: release_memory before the save)."""
+    return CheckpointError(f"{os.path.join(tag_dir, 'offloaded_tensors')}: optimizer states DeepSpeed offloaded to "
+                           f"NVMe (raw *.tensor.swp files; {rank_file} holds them empty) are not read; resume with "
+                           "DeepSpeed once with offload_optimizer on the CPU and save again, then load that folder")

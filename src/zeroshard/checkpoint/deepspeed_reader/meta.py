@@ -47,6 +47,7 @@ def describe(ckpt, sd: dict[str, Any], names: list[str], first: dict[str, Any]) 
     return {
         "format": FORMAT, "tag": os.path.basename(os.path.normpath(ckpt.dir)),
         "deepspeed_version": str(sd.get("ds_version")), "world_size": ckpt.world_size, "stage": ckpt.stage,
+        "dp_world_size": int(sd.get("dp_world_size") or ckpt.world_size),  # stage 0: 1 copy (world_size 1) of a run on more
         "compute_dtype": str(ckpt.compute_dtype),
         "global_steps": global_steps, "micro_steps": global_steps * gas,
         "skipped_steps": int(sd.get("skipped_steps") or 0),

@@ -16,14 +16,16 @@ loading holds at most one DeepSpeed rank's partition beyond what it fills.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
+import warnings
 from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.deepspeed_reader import layout, safe_load
-from zeroshard.checkpoint.deepspeed_reader.files import MODEL_FILE, OPTIM_FILE, UNSUPPORTED_FILE, find_deepspeed_tag
+from zeroshard.checkpoint.deepspeed_reader import layout, safe_load, stage0
+from zeroshard.checkpoint.deepspeed_reader.files import find_deepspeed_tag, nvme_error, scan
 from zeroshard.checkpoint.deepspeed_reader.layout import Run
 from zeroshard.checkpoint.deepspeed_reader.meta import describe
 from zeroshard.policies import CheckpointError
@@ -35,6 +37,17 @@ def _as_int(v: Any) -> int:
     if torch.is_tensor(v):
         v = v.item()
     return int(v)
+
+
+def _fp32_buffer(n: int) -> torch.Tensor:
+    """n fp32 elements for a read's result. From 1 MiB up, in its own anonymous mapping, which
+    goes back to the system as soon as the caller drops the tensor: from glibc's heap, a freed
+    result would stay resident (heap holes), and a load reads thousands of them."""
+    if n * 4 < 1 << 20:
+        return torch.empty(n, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mmap.mmap(-1, n * 4), dtype=torch.float32)
 
 
 def _numel(shape) -> int:
@@ -59,8 +72,8 @@ class DeepSpeedCheckpoint:
                                   "files, and no 'latest' naming a directory that has them)")
         self.dir = tag_dir
         self.meta_path = tag_dir  # errors name the folder; there is no meta.json
-        self._open_rank: int | None = None
-        self._open_state: Any = None
+        self._states: dict[int, Any] = {}  # rank -> its optimizer_state_dict (the file mapped, read on demand)
+        self._fds: dict[int, tuple[int | None, list]] = {}  # rank -> (its file, open; where it is mapped)
         self._scan()
         self.world_size = len(self.optim_files) or 1
         self._model = self._load_model_file(0)
@@ -69,38 +82,7 @@ class DeepSpeedCheckpoint:
 
     # -- files ------------------------------------------------------------------------------------
     def _scan(self) -> None:
-        models, optims, prefixes = {}, {}, set()
-        names = sorted(os.listdir(self.dir))
-        if "offloaded_tensors" in names:
-            raise CheckpointError(f"{os.path.join(self.dir, 'offloaded_tensors')}: optimizer states DeepSpeed offloaded "
-                                  "to NVMe are not read yet; only checkpoints whose states are in the "
-                                  "*_optim_states.pt files load (offload to the CPU is fine)")
-        for name in names:
-            if UNSUPPORTED_FILE.match(name):
-                raise CheckpointError(f"{os.path.join(self.dir, name)}: mixture-of-experts and pipeline-parallel "
-                                      "DeepSpeed checkpoints (files like this one) are not read; only data parallel "
-                                      "ZeRO checkpoints are")
-        for name in names:
-            m = MODEL_FILE.match(name)
-            if m:
-                if int(m.group(2)) != 0:
-                    raise CheckpointError(f"{os.path.join(self.dir, name)}: model (tensor) parallel checkpoints "
-                                          "(mp_rank > 0) are not supported; only data parallel ZeRO checkpoints are")
-                models[int(m.group(1) or 0)] = name
-            m = OPTIM_FILE.match(name)
-            if m:
-                if int(m.group(3)) != 0:
-                    raise CheckpointError(f"{os.path.join(self.dir, name)}: model (tensor) parallel checkpoints "
-                                          "(mp_rank > 0) are not supported; only data parallel ZeRO checkpoints are")
-                optims[int(m.group(2))] = name
-                prefixes.add(m.group(1) or "")
-        if not optims and os.path.isdir(os.path.join(self.dir, "zero")):
-            raise CheckpointError(f"{self.dir}: a DeepSpeed universal checkpoint (made by ds_to_universal) is not read "
-                                  "yet; load the checkpoint it was made from, which loads on any world size already")
-        if 0 not in models:
-            raise CheckpointError(f"{self.dir}: missing rank file mp_rank_00_model_states.pt (or "
-                                  "zero_pp_rank_0_mp_rank_00_model_states.pt): the checkpoint is incomplete")
-        self.model_files, self.optim_files = models, optims
+        self.model_files, self.optim_files = scan(self.dir)
 
     def path_of(self, name: str) -> str:
         return os.path.join(self.dir, name)
@@ -116,6 +98,8 @@ class DeepSpeedCheckpoint:
         return sd
 
     def _optim_file(self, rank: int) -> str:
+        if self.stage == 0 and not self.optim_files:  # no ZeRO: the optimizer is in the model file
+            return self.path_of(self.model_files[0])
         if rank not in self.optim_files:
             prefix = next(iter(self.optim_files.values()), "zero_pp_rank_0_mp_rank_00_optim_states.pt")
             name = re.sub(r"zero_pp_rank_\d+_", f"zero_pp_rank_{rank}_", prefix)
@@ -124,16 +108,26 @@ class DeepSpeedCheckpoint:
         return self.path_of(self.optim_files[rank])
 
     def _optim(self, rank: int) -> dict[str, Any]:
-        """Rank `rank`'s `optimizer_state_dict`; only one rank's file is open at a time."""
-        if self._open_rank != rank:
-            self._open_state = None  # drop the previous file's mapping first
+        """Rank `rank`'s `optimizer_state_dict`. Each file is opened once, memory-mapped, and
+        stays open until close(): reading a parameter takes its ranges from every rank's file
+        without opening any again. The bytes are read with pread (safe_load.read_into), so the
+        mappings are never touched and add nothing to resident memory."""
+        if rank not in self._states:
             path = self._optim_file(rank)
-            sd = safe_load.load(path)
-            opt = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
-            if not isinstance(opt, dict):
-                raise CheckpointError(f"{path}: not a DeepSpeed optimizer-states file (no 'optimizer_state_dict')")
-            self._open_rank, self._open_state = rank, opt
-        return self._open_state
+            if self.stage == 0 and not self.optim_files:
+                opt = stage0.optimizer_dict(self._model, path, self._stage0_names)
+            else:
+                sd = safe_load.load(path)
+                opt = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+                if not isinstance(opt, dict):
+                    raise CheckpointError(f"{path}: not a DeepSpeed optimizer-states file (no 'optimizer_state_dict')")
+            self._states[rank] = opt
+            try:
+                fd: int | None = os.open(path, os.O_RDONLY)
+            except OSError:
+                fd = None
+            self._fds[rank] = (fd, safe_load.mapped_ranges(path))
+        return self._states[rank]
 
     # -- the description ------------------------------------------------------------------------------
     def _build_meta(self) -> None:
@@ -147,10 +141,16 @@ class DeepSpeedCheckpoint:
                                   "parallel ZeRO checkpoints are supported")
         zero = cfg.get("zero_optimization") or {}
         stage = int(zero.get("stage", 0) if isinstance(zero, dict) else 0)
-        if not self.optim_files and sd.get("param_shapes") is None:
-            raise CheckpointError(f"{self.dir}: a DeepSpeed checkpoint without ZeRO (stage 0) keeps its optimizer "
-                                  "in the model file; zeroshard reads ZeRO stage 1-3 checkpoints only so far")
         self.stage = stage
+        module = sd["module"]
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{model_path}: 'module' is not a state dict")
+        if stage == 0 and not self.optim_files:  # no ZeRO: one copy of everything, in the model file
+            self.world_size = 1
+            groups = [dict(g) for g in stage0.parameter_groups(sd, model_path)]
+            self._stage0_names = [n for g in groups for n in g]
+        else:
+            groups = sd.get("param_shapes")
         for r in range(self.world_size):  # one clear error for a missing rank, before any reading
             self._optim_file(r)
             if stage == 3 and r not in self.model_files:
@@ -163,10 +163,6 @@ class DeepSpeedCheckpoint:
         bf16 = any((cfg.get(k) or {}).get("enabled", False) for k in ("bf16", "bfloat16") if isinstance(cfg.get(k), dict))
         self.compute_dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
 
-        module = sd["module"]
-        if not isinstance(module, dict):
-            raise CheckpointError(f"{model_path}: 'module' is not a state dict")
-        groups = sd.get("param_shapes")
         if not isinstance(groups, list):
             raise CheckpointError(f"{model_path}: no 'param_shapes' (written by DeepSpeed's ZeRO optimizer); "
                                   "cannot map the flat partitions to parameters")
@@ -204,8 +200,20 @@ class DeepSpeedCheckpoint:
 
     def _map_partitions(self, first: dict[str, Any]) -> None:
         world = self.world_size
+        if self.stage == 0:  # each parameter its own flat tensor (index j of the torch optimizer's state)
+            j = 0
+            for gi, g in enumerate(self.groups):
+                for name, shape in g:
+                    self.where[name] = [Run(0, j, 0, 0, _numel(shape))]
+                    self._group_of[name] = gi
+                    j += 1
+            self.partition_sizes = [sum(_numel(s) for _, s in g) for g in self.groups]
+            self._flat_key = stage0.VALUES
+            return
         if self.stage == 3:
             sizes = [t.numel() for t in first.get("fp32_flat_groups", [])]
+            if 0 in sizes and os.path.isdir(os.path.join(self.dir, "offloaded_tensors")):
+                raise nvme_error(self.dir, self._optim_file(0))
             flat = [(n, s) for g in self.groups for n, s in g]
             runs = layout.stage3_runs([_numel(s) for _, s in flat], world, sizes)
             _, param_groups, _ = self.base_state(first)
@@ -245,7 +253,7 @@ class DeepSpeedCheckpoint:
 
     def base_state(self, opt: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], list[dict], Any]:
         """(per flat tensor: its optimizer state, param groups, a shared step or None)."""
-        if self.stage == 3:
+        if self.stage in (0, 3):
             base = opt.get("optimizer_state_dict") or {}
             return base.get("state", {}), base.get("param_groups", []), None
         base = opt.get("base_optimizer_state")
@@ -293,13 +301,17 @@ class DeepSpeedCheckpoint:
                 raise CheckpointError(f"{self._optim_file(run.rank)}: flat tensor {run.flat} has {src.numel()} "
                                       f"elements, {name!r} needs [{s}, {s + b - a}): the file does not match the layout "
                                       "its model file describes")
-            parts.append((a, src[s : s + (b - a)]))
-        parts.sort(key=lambda p: p[0])
-        if not parts:
-            return torch.empty(0, dtype=torch.float32)
-        if len(parts) == 1:  # a view of the mapped file (no copy): the caller copies it where it belongs
-            return parts[0][1].to(torch.float32)
-        return torch.cat([p.to(torch.float32) for _, p in parts])
+            parts.append((a, run.rank, src[s : s + (b - a)]))
+        if sum(p[2].numel() for p in parts) != hi - lo:
+            raise CheckpointError(f"{self.dir}: the saved partitions of {name!r} do not cover elements [{lo}, {hi})")
+        out = _fp32_buffer(hi - lo)
+        for a, rank, src in parts:  # read from the file into place (a 16-bit source: through one buffer)
+            dst = out[a - lo : a - lo + src.numel()]
+            buf = dst if src.dtype == torch.float32 else torch.empty(src.numel(), dtype=src.dtype)
+            safe_load.read_into(buf, src, *self._fds.get(rank, (None, [])))
+            if buf is not dst:
+                dst.copy_(buf)
+        return out
 
     def _flat(self, rank: int, flat: int, key: str | None) -> torch.Tensor:
         opt = self._optim(rank)
@@ -368,7 +380,10 @@ class DeepSpeedCheckpoint:
         return self._group_of.get(self.canonical(name))
 
     def close(self) -> None:
-        self._open_rank = self._open_state = None
+        for fd, _ in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._states, self._fds = {}, {}
         self._model_cache = {}
 
     def __enter__(self) -> "DeepSpeedCheckpoint":

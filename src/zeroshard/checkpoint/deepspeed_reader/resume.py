@@ -51,7 +51,7 @@ def apply_training_state(reader: DeepSpeedCheckpoint, ts, optimizer_states: bool
     if ts.rank == 0:
         log.info("DeepSpeed checkpoint %s (DeepSpeed %s, stage %d, %d rank(s)) loaded at step %d; DeepSpeed saves no "
                  "random number generator states: each rank keeps its own", reader.dir, meta["deepspeed_version"],
-                 meta["stage"], meta["world_size"], meta["global_steps"])
+                 meta["stage"], meta.get("dp_world_size", meta["world_size"]), meta["global_steps"])
 
 
 def _load_scaler(reader: DeepSpeedCheckpoint, ts) -> None:

@@ -138,3 +138,46 @@ def check_complete(path: str) -> None:
                               "copy the checkpoint again") from None
     if bad is not None:
         raise CheckpointError(f"{path}: damaged: record {bad} fails its CRC-32 check; copy the checkpoint again")
+
+
+# -- reading without touching the mapping ---------------------------------------------------------------
+# A memory-mapped file's pages count in the process's resident memory once touched, and stay
+# while the file is mapped (the kernel also maps pages around each one read). The reader keeps
+# every rank's file open and mapped (one open per file, for the tensors' structure), but takes
+# the bytes of a range with pread() at the file offset the mapping gives (from
+# /proc/self/maps): only the copy it returns is resident, the mapping is never touched.
+
+
+def mapped_ranges(path: str) -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of each mapping of `path` in this process ([] where unknown)."""
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5] == real:
+            a, b = parts[0].split("-")
+            out.append((int(a, 16), int(b, 16), int(parts[2], 16)))
+    return out
+
+
+def read_into(dst: torch.Tensor, src: torch.Tensor, fd: int | None, ranges: list[tuple[int, int, int]]) -> None:
+    """dst[:] = src (same dtype and size, both contiguous), taking src's bytes from the file
+    with pread when src lies in a mapping of it; else an ordinary copy."""
+    nbytes = src.numel() * src.element_size()
+    lo = src.data_ptr()
+    where = next((off + lo - a for a, b, off in ranges if a <= lo and lo + nbytes <= b), None)
+    if fd is None or where is None or not dst.is_contiguous() or dst.dtype != src.dtype or nbytes == 0:
+        dst.copy_(src)
+        return
+    view = memoryview(dst.view(torch.uint8).numpy()).cast("B") if dst.numel() else memoryview(b"")
+    done = 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:nbytes]], where + done)
+        if got <= 0:
+            raise CheckpointError(f"file descriptor {fd}: short read at byte {where + done} (the file changed?)")
+        done += got
