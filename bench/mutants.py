@@ -154,7 +154,7 @@ MUTANTS: list[Mutant] = [
            "            self._end += region.nbytes // 2\n",
            "NVMe tier allocates each region half its size past the last: regions overlap in the file",
            ("tests/test_nvme.py",)),
-    Mutant("nvme-read-ahead-stale", "offload (NVMe params)", F + "nvme.py",
+    Mutant("nvme-read-ahead-stale", "offload (NVMe params)", F + "read_ahead.py",
            "            out = buf[:nbytes].view(home.dtype).view(home.shape).clone()",
            "            out = buf[:nbytes].view(home.dtype).view(home.shape)",
            "NVMe parameter read-ahead hands out its buffer itself, which the next read-ahead overwrites",
