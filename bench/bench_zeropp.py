@@ -94,15 +94,20 @@ def _rank(rank, world, preset, steps, precisions):
     return out
 
 
-def _best_rate(fn, work: float, reps: int = 7) -> float:
-    """`work` (FLOPs or bytes) over the fastest of `reps` calls of `fn`."""
+def _fastest(fn, reps: int) -> float:
+    """Seconds of the fastest of `reps` calls of `fn`, after one warm-up call."""
     fn()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return work / min(ts)
+    return min(ts)
+
+
+def _best_rate(fn, work: float, reps: int = 7) -> float:
+    """`work` (FLOPs or bytes) over the fastest of `reps` calls of `fn`."""
+    return work / _fastest(fn, reps)
 
 
 def _rates(preset: str, world: int) -> dict[str, float]:
@@ -169,14 +174,8 @@ def _throughput(numel: int) -> list[tuple[str, float]]:
 
     torch.set_num_threads(1)
 
-    def best(fn, reps=5):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
+    def best(fn):
+        return _fastest(fn, 5)
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
