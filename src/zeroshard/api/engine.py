@@ -29,7 +29,7 @@ from zeroshard.api.gathered import register_engine
 from zeroshard.api.surface import EngineSurface, cast_floats
 from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.offload import activations
-from zeroshard.optim.clipping import clip_coefficient, global_grad_norm, nonfinite_parameters
+from zeroshard.optim.clipping import clip_coefficient, global_grad_norm, nonfinite_parameters, square_norm
 from zeroshard.optim.loss_scaler import make_loss_scaler
 from zeroshard.optim.schedulers import make_scheduler
 from zeroshard.optim.template import OptimizerArg
@@ -79,6 +79,7 @@ class Engine(EngineSurface):
                                       self.refresh_params_from_masters)
         self._grad_norm: float | None = None
         self._stepping_early = False  # the last backward stepped sub-groups as their gradients were final
+        self._early_squares: dict[int, torch.Tensor] = {}  # bucket -> square_norm, taken as it became final
         self._boundary_said: bool | None = None  # set_gradient_accumulation_boundary (None: the counter decides)
         self._window_open = False  # a backward since the last optimizer step or zero_grad
         self._window_micro = 0  # backwards in the open window (for the caller-driven check)
@@ -128,6 +129,7 @@ class Engine(EngineSurface):
         self._stepping_early = self.step_early and boundary
         if self._stepping_early:
             self.optimizer.forget_early()
+            self._early_squares.clear()
             self.grads.begin_backward(boundary, first, self._grad_final, self._step_queued)
         else:
             self.grads.begin_backward(boundary, first)
@@ -142,7 +144,10 @@ class Engine(EngineSurface):
         return loss
 
     def _grad_final(self, b: int) -> None:
-        """Bucket b's reduced gradient is final (during backward): its sub-group may step."""
+        """Bucket b's reduced gradient is final (during backward): its sub-group may step, and its
+        share of the gradient norm is taken now, overlapping backward, not in `step()`."""
+        if self.settings.zero.compute_grad_norm:
+            self._early_squares[b] = square_norm(self.grads.grad_shard(b))
         self.optimizer.grad_final(b, self.grads.grad_shard, 1.0, self.params.publish)
 
     def _step_queued(self) -> None:
@@ -193,7 +198,8 @@ class Engine(EngineSurface):
         if not (self.settings.zero.compute_grad_norm or self.settings.precision.loss_scale):
             return None
         shards = [self.grads.grad_shard(b) for b in range(len(self.buckets))]
-        return global_grad_norm(shards, self.comm, self.grads.partitioned)
+        known = self._early_squares if self._stepping_early else None
+        return global_grad_norm(shards, self.comm, self.grads.partitioned, known)
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

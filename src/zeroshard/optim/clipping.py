@@ -10,14 +10,21 @@ import torch
 from zeroshard.comm import Comm
 
 
-def global_grad_norm(shards: list[torch.Tensor], comm: Comm, partitioned: bool) -> float:
+def square_norm(g: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of one gradient shard, in fp32 (a 1-element tensor)."""
+    return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+
+
+def global_grad_norm(shards: list[torch.Tensor], comm: Comm, partitioned: bool,
+                     known: dict[int, torch.Tensor] | None = None) -> float:
     """L2 norm of the whole gradient. Shards held by different ranks (`partitioned`) are
     combined with one 1-element all-reduce of the sum of squares; inf/nan propagate, so the
-    same number tells every rank whether any rank overflowed."""
+    same number tells every rank whether any rank overflowed. `known` holds the `square_norm`
+    of shards already taken (during backward, as each became final), by index."""
     device = shards[0].device if shards else torch.device("cpu")
     sq = torch.zeros(1, dtype=torch.float32, device=device)
-    for g in shards:
-        sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    for i, g in enumerate(shards):
+        sq += known[i] if known and i in known else square_norm(g)
     if partitioned and comm.world_size > 1:
         comm.all_reduce(sq, what="global gradient norm").wait()
     return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float(sq.item())
