@@ -168,7 +168,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-5, help="the peak lr (WarmupDecayLR: linear warm-up, linear decay)")
+    # 6e-6: Adam's first updates move every weight by about the lr (m/sqrt(v) is +-1), a large
+    # coherent change on a 40 x 2560 model at 128 tokens a step: peaks of 3e-5 and 1.5e-5 gave
+    # loss spikes above step 1's (6.06 and 5.66 against 5.72 and 5.63) once the warm-up passed
+    # about 1.1e-5, while updates of 3.75e-6 took the loss from 5.63 to 4.0 in 3 steps
+    # (bench/peer-results/demo_infinity_3b_v3)
+    p.add_argument("--lr", type=float, default=6e-6, help="the peak lr (WarmupDecayLR: linear warm-up, linear decay)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (the lr rises from --lr/(warmup+1) to --lr)")
     p.add_argument("--raw-mib", type=int, default=1024, help="MiB dd writes and reads for the raw disk rates")
     p.add_argument("--sub-group", type=int, default=20_000_000)
