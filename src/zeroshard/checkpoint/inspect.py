@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any
 
-from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint, find_deepspeed_tag, open_checkpoint
+from zeroshard.checkpoint.deepspeed_reader import find_deepspeed_tag, open_checkpoint, open_deepspeed
 from zeroshard.checkpoint.deepspeed_reader.files import FORMAT as DEEPSPEED_FORMAT
 from zeroshard.policies import CheckpointError
 
@@ -59,7 +59,7 @@ def _file_rows(reader, verify: bool, by_rank: bool = False) -> list[dict[str, An
 def _deepspeed_report(path: str | os.PathLike, tag: str | None, verify: bool) -> dict[str, Any]:
     """`zeroshard inspect`'s report of a DeepSpeed checkpoint (the keys of a zeroshard one's,
     plus "format" and "deepspeed_version"); each file's check is its zip records' CRC-32."""
-    with DeepSpeedCheckpoint(path, tag) as reader:
+    with open_deepspeed(path, tag) as reader:
         meta = reader.meta
         buckets = []
         for i, g in enumerate(reader.groups):

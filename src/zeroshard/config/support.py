@@ -182,8 +182,8 @@ def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
         (c.disable_allgather, "disable_allgather: zeroshard always all-gathers updated parameters"),
         (c.log_level is not None, "log_level: zeroshard uses Python logging; configure it there"),
         (c.checkpoint is not None and bool(c.checkpoint.model_fields_set),
-         "checkpoint: zeroshard writes its own resharding checkpoints; DeepSpeed's checkpoint engine "
-         "settings do not apply"),
+         "checkpoint: zeroshard writes its own resharding checkpoints and reads DeepSpeed's, universal "
+         "ones too, whatever load_universal says; DeepSpeed's checkpoint engine settings do not apply"),
         (bool(ac and any(getattr(ac, k) not in (False, None) for k in _AC)),
          "activation_checkpointing: " + ", ".join(_AC) + " have no effect in zeroshard's checkpoint function "
          "(zeroshard.checkpoint_activations / zeroshard.deepspeed.checkpointing); cpu_checkpointing does"),

@@ -12,8 +12,8 @@ knows the folder's shape, entry.py opens either kind of checkpoint (checkpoint/i
 reports on either).
 """
 
-from zeroshard.checkpoint.deepspeed_reader.entry import open_checkpoint
+from zeroshard.checkpoint.deepspeed_reader.entry import open_checkpoint, open_deepspeed
 from zeroshard.checkpoint.deepspeed_reader.files import find_deepspeed_tag, is_deepspeed_checkpoint
 from zeroshard.checkpoint.deepspeed_reader.reader import DeepSpeedCheckpoint
 
-__all__ = ["DeepSpeedCheckpoint", "find_deepspeed_tag", "is_deepspeed_checkpoint", "open_checkpoint"]
+__all__ = ["DeepSpeedCheckpoint", "find_deepspeed_tag", "is_deepspeed_checkpoint", "open_checkpoint", "open_deepspeed"]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint.deepspeed_reader.entry import open_deepspeed
 from zeroshard.checkpoint.deepspeed_reader.reader import DeepSpeedCheckpoint
 from zeroshard.checkpoint.files import Entry, fsync_dir, write_safetensors, write_small
 from zeroshard.checkpoint.format import (
@@ -144,7 +145,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
     directory, what was left out: client_state keys that are not JSON, a client scheduler
     whose class `scheduler_class` does not name)."""
     out = os.fspath(out)
-    with DeepSpeedCheckpoint(src, tag) as r:
+    with open_deepspeed(src, tag) as r:
         r.verify()
         new_tag = check_tag(r.meta["tag"])
         kinds = r.meta["optimizer"]["states"]

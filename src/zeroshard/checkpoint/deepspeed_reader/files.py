@@ -49,7 +49,7 @@ def find_deepspeed_tag(path: str | os.PathLike, tag: str | None = None) -> str |
         return d if _has_ds_files(d) else None
     if _has_ds_files(path):
         return path
-    for pointer in ("latest", "latest_universal"):  # latest_universal: written by ds_to_universal (refused by scan)
+    for pointer in ("latest", "latest_universal"):  # latest_universal: written by ds_to_universal
         latest = os.path.join(path, pointer)
         if os.path.isfile(latest):
             with open(latest, encoding="utf-8", errors="replace") as f:
@@ -82,10 +82,15 @@ def scaler_fields(scaler: Any) -> dict[str, Any] | None:
     return None
 
 
+def is_universal(tag_dir: str) -> bool:
+    """A folder ds_to_universal wrote: zero/optimizer_state.pt and a folder per parameter."""
+    return os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt"))
+
+
 def scan(tag_dir: str) -> tuple[dict[int, str], dict[int, str]]:
     """({rank: model-states file}, {rank: optimizer-states file}) of a tag folder; one clear
-    error for what zeroshard does not read (MoE or pipeline files,
-    model parallel ranks, a universal checkpoint) and for a missing rank 0 model file."""
+    error for what zeroshard does not read (MoE or pipeline files, model parallel ranks) and
+    for a missing rank 0 model file."""
     models, optims = {}, {}
     names = sorted(os.listdir(tag_dir))
     for name in names:
@@ -102,10 +107,9 @@ def scan(tag_dir: str) -> tuple[dict[int, str], dict[int, str]]:
                 raise CheckpointError(f"{os.path.join(tag_dir, name)}: model (tensor) parallel checkpoints "
                                       "(mp_rank > 0) are not supported; only data parallel ZeRO checkpoints are")
             into[int(m.group(rank_group) or 0)] = name
-    if not optims and os.path.isdir(os.path.join(tag_dir, "zero")):
-        raise CheckpointError(f"{tag_dir}: a DeepSpeed universal checkpoint (ds_to_universal's output: zero/<param>/"
-                              "fp32.pt ...) is not read; load the checkpoint it was made from (its global_stepN folder, "
-                              "the one `latest` names), which zeroshard loads on any world size and stage")
+    if not optims and os.path.isdir(os.path.join(tag_dir, "zero")) and not is_universal(tag_dir):
+        raise CheckpointError(f"{os.path.join(tag_dir, 'zero', 'optimizer_state.pt')}: missing; this universal "
+                              "checkpoint (ds_to_universal's output) is incomplete: run ds_to_universal again")
     if 0 not in models:
         raise CheckpointError(f"{tag_dir}: missing rank file mp_rank_00_model_states.pt (or "
                               "zero_pp_rank_0_mp_rank_00_model_states.pt): the checkpoint is incomplete")

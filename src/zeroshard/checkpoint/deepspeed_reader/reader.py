@@ -135,7 +135,7 @@ class DeepSpeedCheckpoint:
         model_path = self.path_of(self.model_files[0])
         cfg = sd.get("ds_config") if isinstance(sd.get("ds_config"), dict) else {}
         self.config = cfg
-        self.world_size = int(sd.get("dp_world_size") or len(self.optim_files) or 1)
+        self.world_size = self._saved_world_size(sd)
         if int(sd.get("mp_world_size") or 1) != 1:
             raise CheckpointError(f"{model_path}: saved with model parallel size {sd['mp_world_size']}; only data "
                                   "parallel ZeRO checkpoints are supported")
@@ -197,6 +197,10 @@ class DeepSpeedCheckpoint:
         self._group_of: dict[str, int] = {}
         self._map_partitions(first)
         self.meta = describe(self, sd, names, first)
+
+    def _saved_world_size(self, sd: dict[str, Any]) -> int:
+        """How many ranks' partitions the files hold."""
+        return int(sd.get("dp_world_size") or len(self.optim_files) or 1)
 
     def _map_partitions(self, first: dict[str, Any]) -> None:
         world = self.world_size
