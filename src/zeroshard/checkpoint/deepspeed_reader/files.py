@@ -24,6 +24,7 @@ DS_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
     "ds_version", "universal_checkpoint_info", "num_experts", "csr_tensor_module_names",
+    "checkpoint_parallel_dimensions",  # DeepSpeed 0.19: {pp_degree, tp_degree}
 })
 ADAM_FAMILY = frozenset({"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "ZenFlowCPUAdam"})
 HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "initial_lr", "momentum", "dampening",
@@ -115,11 +116,3 @@ def scan(tag_dir: str) -> tuple[dict[int, str], dict[int, str]]:
                               "zero_pp_rank_0_mp_rank_00_model_states.pt): the checkpoint is incomplete")
     return models, optims
 
-
-def nvme_error(tag_dir: str, rank_file: str) -> CheckpointError:
-    """DeepSpeed (stage 3, offload_optimizer nvme) saved some sub-groups' fp32 partition and
-    Adam states as raw swap files in offloaded_tensors/ and left them empty in the
-    optim_states file (runtime/swap_tensor: release_memory before the save)."""
-    return CheckpointError(f"{os.path.join(tag_dir, 'offloaded_tensors')}: optimizer states DeepSpeed offloaded to "
-                           f"NVMe (raw *.tensor.swp files; {rank_file} holds them empty) are not read; resume with "
-                           "DeepSpeed once with offload_optimizer on the CPU and save again, then load that folder")

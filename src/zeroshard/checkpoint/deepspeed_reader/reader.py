@@ -16,18 +16,17 @@ loading holds at most one DeepSpeed rank's partition beyond what it fills.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import re
-import warnings
 from typing import Any
 
 import torch
 
 from zeroshard.checkpoint.deepspeed_reader import layout, safe_load, stage0
-from zeroshard.checkpoint.deepspeed_reader.files import find_deepspeed_tag, nvme_error, scan
+from zeroshard.checkpoint.deepspeed_reader.files import find_deepspeed_tag, scan
 from zeroshard.checkpoint.deepspeed_reader.layout import Run
 from zeroshard.checkpoint.deepspeed_reader.meta import describe
+from zeroshard.checkpoint.deepspeed_reader.offloaded import FOLDER, Offloaded
 from zeroshard.policies import CheckpointError
 
 
@@ -37,17 +36,6 @@ def _as_int(v: Any) -> int:
     if torch.is_tensor(v):
         v = v.item()
     return int(v)
-
-
-def _fp32_buffer(n: int) -> torch.Tensor:
-    """n fp32 elements for a read's result. From 1 MiB up, in its own anonymous mapping, which
-    goes back to the system as soon as the caller drops the tensor: from glibc's heap, a freed
-    result would stay resident (heap holes), and a load reads thousands of them."""
-    if n * 4 < 1 << 20:
-        return torch.empty(n, dtype=torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.frombuffer(mmap.mmap(-1, n * 4), dtype=torch.float32)
 
 
 def _numel(shape) -> int:
@@ -74,6 +62,7 @@ class DeepSpeedCheckpoint:
         self.meta_path = tag_dir  # errors name the folder; there is no meta.json
         self._states: dict[int, Any] = {}  # rank -> its optimizer_state_dict (the file mapped, read on demand)
         self._fds: dict[int, tuple[int | None, list]] = {}  # rank -> (its file, open; where it is mapped)
+        self._offloaded: Offloaded | None = None  # stage 3 sub-groups DeepSpeed swapped to NVMe
         self._scan()
         self.world_size = len(self.optim_files) or 1
         self._model = self._load_model_file(0)
@@ -216,8 +205,11 @@ class DeepSpeedCheckpoint:
             return
         if self.stage == 3:
             sizes = [t.numel() for t in first.get("fp32_flat_groups", [])]
-            if 0 in sizes and os.path.isdir(os.path.join(self.dir, "offloaded_tensors")):
-                raise nvme_error(self.dir, self._optim_file(0))
+            if 0 in sizes and os.path.isdir(os.path.join(self.dir, FOLDER)):  # swapped to NVMe
+                want = [sum(math.ceil(_numel(s) / world) for _, s in g) for g in self.groups]
+                swapped = [i for i, n in enumerate(sizes) if n == 0 and i < len(want) and want[i]]
+                sizes = [want[i] if i in swapped else n for i, n in enumerate(sizes)]
+                self._offloaded = Offloaded(self.dir, swapped, sizes)
             flat = [(n, s) for g in self.groups for n, s in g]
             runs = layout.stage3_runs([_numel(s) for _, s in flat], world, sizes)
             _, param_groups, _ = self.base_state(first)
@@ -308,7 +300,7 @@ class DeepSpeedCheckpoint:
             parts.append((a, run.rank, src[s : s + (b - a)]))
         if sum(p[2].numel() for p in parts) != hi - lo:
             raise CheckpointError(f"{self.dir}: the saved partitions of {name!r} do not cover elements [{lo}, {hi})")
-        out = _fp32_buffer(hi - lo)
+        out = safe_load.fp32_buffer(hi - lo)
         for a, rank, src in parts:  # read from the file into place (a 16-bit source: through one buffer)
             dst = out[a - lo : a - lo + src.numel()]
             buf = dst if src.dtype == torch.float32 else torch.empty(src.numel(), dtype=src.dtype)
@@ -318,6 +310,8 @@ class DeepSpeedCheckpoint:
         return out
 
     def _flat(self, rank: int, flat: int, key: str | None) -> torch.Tensor:
+        if self._offloaded is not None and flat in self._offloaded.swapped:
+            return self._offloaded.tensor(rank, flat, key)
         opt = self._optim(rank)
         if key is None:
             tensors = opt.get(self._flat_key)

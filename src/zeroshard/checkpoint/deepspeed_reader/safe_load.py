@@ -14,8 +14,10 @@ sliced, and leave memory when the file's tensors are dropped.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
+import warnings
 import zipfile
 from typing import Any
 
@@ -181,3 +183,14 @@ def read_into(dst: torch.Tensor, src: torch.Tensor, fd: int | None, ranges: list
         if got <= 0:
             raise CheckpointError(f"file descriptor {fd}: short read at byte {where + done} (the file changed?)")
         done += got
+
+
+def fp32_buffer(n: int) -> torch.Tensor:
+    """n fp32 elements for a read's result. From 1 MiB up, in its own anonymous mapping, which
+    goes back to the system as soon as the caller drops the tensor: from glibc's heap, a freed
+    result would stay resident (heap holes), and a load reads thousands of them."""
+    if n * 4 < 1 << 20:
+        return torch.empty(n, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mmap.mmap(-1, n * 4), dtype=torch.float32)
