@@ -12,8 +12,8 @@ builds (comm.quantize_native; the first line says which), else the torch ops. Wi
 
 For each size (MiB of the 16/32-bit input), dtype (fp32, bf16) and width (int8: qwZ, int4: qgZ),
 every round times, interleaved, one `dst.copy_(x)` of the same tensor into a buffer allocated
-before the round, one `quantize(x)` and one `dequantize` into a preallocated output (`out=`, as
-qwZ's all-gather does; a version without `out=` allocates its output). GB/s are bytes of the
+before the round, one `quantize(x)` and one `dequantize`, each into a preallocated output (`out=`,
+as qwZ and qgZ do with their pooled payloads; a version without `out=` allocates its output). GB/s are bytes of the
 input over the time; "q+dq" is the input over quantize + dequantize (the cost a quantized
 collective adds per byte it quantizes and dequantizes once); "q+dq / copy" is the ratio of the
 two in the same round, and "same, CPU time" that ratio in CPU seconds of the process (what
@@ -52,17 +52,19 @@ def _case(x: torch.Tensor, bits: int, rounds: int, quantize=quantize, dequantize
     dst = torch.empty_like(x)
     q, s = quantize(row, blocks)
     takes_out = "out" in inspect.signature(dequantize).parameters
-    out = torch.empty_like(row)
+    out, q_out = torch.empty_like(row), (torch.empty_like(q), torch.empty_like(s))
     deq = (lambda: dequantize(q, s, blocks, x.dtype, out=out)) if takes_out else \
         (lambda: dequantize(q, s, blocks, x.dtype))
+    quant = (lambda: quantize(row, blocks, out=q_out)) if "out" in inspect.signature(quantize).parameters else \
+        (lambda: quantize(row, blocks))
     nbytes = x.numel() * x.element_size()
     for _ in range(2):  # warm-up: pages touched, allocator primed
-        dst.copy_(x), quantize(row, blocks), deq()
+        dst.copy_(x), quant(), deq()
     got: dict[str, list[float]] = {"copy": [], "quantize": [], "dequantize": [], "q+dq": [], "ratio": [],
                                    "cpu ratio": [], "cpu copy": [], "cpu q": [], "cpu dq": []}
     for _ in range(rounds):
         (t_copy, c_copy), (t_q, c_q), (t_dq, c_dq) = _timed(lambda: dst.copy_(x)), \
-            _timed(lambda: quantize(row, blocks)), _timed(deq)
+            _timed(quant), _timed(deq)
         if c_q + c_dq > 0:
             got["cpu ratio"].append(c_copy / (c_q + c_dq))
         got["cpu copy"].append(c_copy), got["cpu q"].append(c_q), got["cpu dq"].append(c_dq)

@@ -3,8 +3,10 @@ spawner of the test suite (tests/distributed.py) and the scripts in bench/.
 
 Each rank is a spawned process with torchrun's environment variables set, so the code under
 test creates (or finds) the process group exactly as it does under torchrun. A rank that
-raises fails the call with its traceback; ranks that hang are killed after `timeout` seconds
-and the call fails instead of freezing CI. Imports nothing of zeroshard (`--help` stays fast).
+raises fails the call with its traceback (its peers, stuck in a collective with it, get
+FAILED_PEER_GRACE_S to report, then are killed); a rank that dies without reporting fails it
+within a second; ranks that hang are killed after `timeout` seconds and the call fails instead
+of freezing CI. Imports nothing of zeroshard (`--help` stays fast).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 from queue import Empty as queue_empty
 from typing import Any, Callable
+
+FAILED_PEER_GRACE_S = 30.0  # after a rank fails, how long the others may take to report
 
 __all__ = ["free_port", "from_wire", "rank_entry", "run_ranks", "to_wire"]
 
@@ -74,10 +79,12 @@ def rank_entry(fn, rank, world_size, port, args, queue, env) -> None:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 240,
-              env: dict[str, str] | None = None, allow_failures: bool = False) -> list[Any]:
+              env: dict[str, str] | None = None, allow_failures: bool = False,
+              grace: float = FAILED_PEER_GRACE_S) -> list[Any]:
     """fn(rank, world_size, *args) on each rank; returns the per-rank results in rank order.
 
-    With `allow_failures`, a rank's exception text is returned in place of its result."""
+    With `allow_failures`, a rank's exception text is returned in place of its result (every
+    rank gets `timeout`); without, the others get `grace` seconds after the first failure."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -87,17 +94,30 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(results) + len(failures) < world_size:
+            if failures and not allow_failures:  # its peers hang in a collective: give them a grace, not `timeout`
+                deadline = min(deadline, time.monotonic() + grace)
             try:
-                rank, ok, value = queue.get(timeout=timeout)
+                rank, ok, value = queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                (results if ok else failures)[rank] = from_wire(value) if ok else value
+                continue
             except queue_empty:
+                pass
+            for r, p in enumerate(procs):  # died without a word (a signal, os._exit): the queue is drained first
+                if r not in results and r not in failures and p.exitcode is not None and queue.empty():
+                    failures[r] = f"exited with code {p.exitcode} without reporting a result"
+            if time.monotonic() >= deadline:
                 missing = sorted(set(range(world_size)) - set(results) - set(failures))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
-            (results if ok else failures)[rank] = from_wire(value) if ok else value
+                if failures and not allow_failures:
+                    failures.update({r: f"killed: no result {grace:.0f}s after a peer failed"
+                                     for r in missing})
+                    break
+                raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)")
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=10 if len(results) + len(failures) == world_size else 0.1)
             if p.is_alive():
                 p.kill()
     if failures and not allow_failures:

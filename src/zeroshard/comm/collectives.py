@@ -111,6 +111,12 @@ class Comm:
         else:
             self._where = value
 
+    @property
+    def buffers(self):
+        """The BufferPool (partition.buffer_pool) that large transient buffers of every comm
+        made by `on` come from and go back to; None: fresh ones each time."""
+        return self._root.pool if self._root is not None else self.pool
+
     def on(self, group: Group) -> "Comm":
         """The same collectives, ledger and timeout on `group`."""
         return Comm(self.topology, self.ledger, self.timeout_s, group, root=self._root or self)
@@ -241,7 +247,7 @@ class Comm:
             flat.mul_(1.0 / n)
             average = False
         chunks = [flat[p * size : (p + 1) * size] for p in range(n)]
-        pool = self._root.pool if self._root is not None else self.pool
+        pool = self.buffers
         count = (n - 1) * size
         spare = pool.empty(count, input.dtype, input.device) if pool is not None else \
             torch.empty(count, dtype=input.dtype, device=input.device)

@@ -118,16 +118,15 @@ def quantize(x: torch.Tensor, blocks: Blocks,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`x`: (rows, n) or (n,). Returns (payload, scales): payload int8 of shape
     (rows, payload_bytes) (int4: two values per byte, low nibble first, stored as int8 bits),
-    scales fp32 (rows, count); written into `out` (payload, scales) of those shapes when given
-    (int8 only: int4 packs into a new tensor)."""
+    scales fp32 (rows, count); written into `out` (payload, scales) of those sizes when given,
+    except by the torch ops at int4 (they pack into new tensors): use the tensors returned."""
     n = blocks.n
     rows = x if x.dim() == 2 and x.shape[1] == n else x.reshape(-1, n)
     r = rows.shape[0]
-    given = out is not None and blocks.bits == 8
-    lib = (_kernel_for(rows, *out) if given else _kernel_for(rows)) if x.dtype in _NATIVE_DTYPES else None
+    lib = (_kernel_for(rows) if out is None else _kernel_for(rows, *out)) if x.dtype in _NATIVE_DTYPES else None
     if lib is None:
         return quantize_torch(x, blocks, out)
-    if given:
+    if out is not None:
         payload, scales = _as_rows(out[0], r, blocks.payload_bytes), _as_rows(out[1], r, blocks.count)
     else:
         payload = torch.empty(r, blocks.payload_bytes, dtype=torch.int8)

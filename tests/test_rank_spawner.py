@@ -1,0 +1,47 @@
+"""The test suite's rank spawner (zeroshard.bench.ranks.run_ranks) fails fast: a rank that
+dies without a word or raises ends the call within its grace, not after the whole timeout
+(a peer left waiting in a rendezvous or a collective would otherwise hold CI for minutes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from zeroshard.bench.ranks import run_ranks
+
+
+def _dies(rank: int, world_size: int) -> None:
+    if rank == 0:
+        os._exit(3)  # no exception, nothing on the queue: a segfault or an OOM kill looks like this
+    time.sleep(120)
+
+
+def _raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("planted failure")
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("fn, says", [(_dies, "exited with code 3 without reporting"),
+                                      (_raises, "ValueError: planted failure")])
+def test_a_failed_rank_ends_the_call_within_the_grace(fn, says):
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(fn, 2, timeout=100, grace=2)
+    took = time.monotonic() - start
+    assert says in str(failed.value)
+    assert "killed: no result 2s after a peer failed" in str(failed.value)  # the sleeping peer
+    assert took < 40, f"the call took {took:.0f}s: it waited for the sleeping peer"
+
+
+def test_allow_failures_returns_every_ranks_outcome():
+    out = run_ranks(_raises_fast, 2, timeout=60, allow_failures=True)
+    assert out[0] == 0 and "planted failure" in out[1]
+
+
+def _raises_fast(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("planted failure")
+    return rank
