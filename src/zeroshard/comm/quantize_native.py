@@ -21,9 +21,11 @@ non-finite value makes the scale non-finite, as torch's amax does), scale = absm
 fp32, 1 / scale (0 where that is not finite), value x (1 / scale) rounded half to even by the
 1.5 x 2^23 addition (exact for |y| < 2^22; |y| <= qmax here), bf16 rounded to nearest even.
 No FMA contraction, no fast-math. Not -march=native (a cache directory may be shared between
-different CPUs): with GCC on x86-64 Linux each entry point is built for x86-64-v3, -v2 and the
-baseline, and the loader picks the one this CPU runs (`target_clones`); elsewhere the baseline.
-One thread per call (each rank quantizes its own buckets; ranks run one torch thread here).
+different CPUs): with GCC on x86-64 Linux each entry point is built for x86-64-v4 (AVX-512), -v3,
+-v2 and the baseline, and the loader picks the one this CPU runs (`target_clones`); elsewhere
+the baseline. Quantize prefetches the next block while it reads one (its absmax pass otherwise
+waits on memory: bf16 q+dq 0.40-0.51 -> 0.52-0.68 of a copy, bench/RESULTS.md). One thread per
+call (each rank quantizes its own buckets; ranks run one torch thread here).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ SOURCE = r"""
 
 /* one copy per x86-64 level, picked when loaded (GCC ifunc); -DZS_NO_CLONES: the baseline only */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(ZS_NO_CLONES)
-#define ZS_CLONES __attribute__((target_clones("arch=x86-64-v3", "arch=x86-64-v2", "default")))
+#define ZS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "arch=x86-64-v2", "default")))
 #else
 #define ZS_CLONES
 #endif
@@ -118,6 +120,10 @@ int zs_quantize(const void *x, int x_bf16, int64_t n, int64_t count, int64_t siz
         int64_t len = n - start < size ? n - start : size;
         int8_t *dst = payload + row * row_bytes + start * bits / 8;
         float absmax;
+        if (start + size < n) { /* the next block, read while this one is: from memory, not first touched in its absmax pass */
+            const char *next = (const char *)x + (row * n + start + size) * (x_bf16 ? 2 : 4);
+            for (int64_t k = 0; k < size * (x_bf16 ? 2 : 4); k += 64) __builtin_prefetch(next + k);
+        }
         if (x_bf16) {
             const uint16_t *h = (const uint16_t *)x + row * n + start;
             if (len < size) { /* the last block: zero-padded copy */
