@@ -112,3 +112,36 @@ def test_writes_behind_are_on_disk_after_close_of_the_pool(tmp_path):
             assert torch.equal(tier.fetch(home, CPU), out)
     finally:
         tier.close()
+
+
+def test_a_read_ahead_never_overtakes_a_write_still_landing_from_a_served_buffer(tmp_path, monkeypatch):
+    """b is stored while its read-ahead is in flight (the buffer takes the new values and is
+    written from), then fetched from that buffer, which retires while its write still runs
+    (slowed down here). The next pass predicts b again: its read must wait for that write, or
+    it reads the old values off the disk and the fetch returns them."""
+    tier = _tier(tmp_path, count=3)  # a free buffer for b's read: the pool does not wait for the write
+    try:
+        homes = [tier.place(torch.full((1000,), float(i + 1))) for i in range(3)]
+        _record_order(tier, homes)  # a, b, c, a, b, c
+        gate = threading.Event()
+        real = IOEngine._piece
+
+        def slow(self, fds, t, offset, start, length, write, path):
+            if write:
+                gate.wait(5)  # b's write lands only after the next pass's read of b was issued
+            return real(self, fds, t, offset, start, length, write, path)
+
+        monkeypatch.setattr(IOEngine, "_piece", slow)
+        tier.fetch(homes[0], CPU)  # reads b and c ahead
+        tier.store(homes[1], torch.full((1000,), 20.0))  # into b's read buffer, written from it
+        assert torch.equal(tier.fetch(homes[1], CPU), torch.full((1000,), 20.0))  # served; the buffer retires
+        tier.fetch(homes[2], CPU)  # predicts a and b: b's write is still running
+        threading.Timer(0.5, gate.set).start()
+        tier.fetch(homes[0], CPU)
+        got_b = tier.fetch(homes[1], CPU)
+        assert torch.equal(got_b, torch.full((1000,), 20.0)), got_b[:3]
+        monkeypatch.setattr(IOEngine, "_piece", real)
+    finally:
+        gate.set()
+        tier.ahead.drop_all()
+        tier.close()

@@ -7,7 +7,10 @@ are in memory and every read of it is served from there.
   stage-3 pass fetches a shard in forward and again in backward, so one shard alone has two
   successors) and starts reading the next `count` shards of that chain into a pool of `count`
   aligned host buffers (shards over `numel` elements are read when fetched). A predicted
-  fetch waits only for what is left of its read.
+  fetch waits only for what is left of its read. Where nothing was learned yet (the first
+  forward and backward), the next shards in placement order are read, in the direction of
+  the last two fetches: a stage-3 build places the units in forward order, and the first
+  backward walks them back.
 - Write-behind: `store` copies the new values into a host buffer and starts the write; it does
   not wait for it. When a read of that shard is in flight (the read-ahead of the next forward,
   issued while backward was still running and the optimizer steps during backward) the read
@@ -39,6 +42,7 @@ class ReadAhead:
         self.inflight: dict[int, tuple[torch.Tensor, Handle, bool]] = {}
         self.free: list[torch.Tensor] = []
         self.retiring: list[tuple[torch.Tensor, Handle]] = []  # read buffers whose write is still running
+        self.landing: dict[int, Handle] = {}  # key -> its write from a retired buffer (a read waits for it)
         self.written: dict[int, tuple[torch.Tensor, Handle]] = {}  # key -> write buffer holding its new values
         self.write_free: list[torch.Tensor] = []
         self.buffers = self.write_buffers = 0
@@ -47,6 +51,8 @@ class ReadAhead:
         self.rewritten = 0  # stores that found a read of the same shard in flight (and took its buffer)
         self.wait_s = 0.0
         self.ledger = None  # a MemoryLedger, when the caller wants the pool counted
+        self._placed: list[int] = []  # keys in placement order, and their positions (for `_guess`)
+        self._position: dict[int, int] = {}
 
     @property
     def pool_bytes(self) -> int:
@@ -76,12 +82,15 @@ class ReadAhead:
                 self._wait(handle)
             out = buf[:nbytes].view(home.dtype).view(home.shape).clone()
             self._release(buf, handle if writing else DONE)
+            if writing:
+                self.landing[key] = handle
             self.hits += 1
         elif key in self.written:
             out = self.written[key][0][:nbytes].view(home.dtype).view(home.shape).clone()
             self.served += 1
         else:
             out = torch.empty(home.shape, dtype=home.dtype)
+            self._landed(key)
             self._wait(self.tier.read(region, out))
             self.misses += 1
         self._ahead(key)
@@ -96,6 +105,8 @@ class ReadAhead:
             if k != key and k not in window:
                 window.append(k)
             state = (state[1], k)
+        if not window and self.context[0] not in (None, key):
+            window = self._guess(key)
         for other in [o for o in self.inflight if o not in window]:  # the order changed: drop them
             self._drop(other)
         if not self._size():
@@ -112,7 +123,29 @@ class ReadAhead:
                 self.inflight[k] = (buf, DONE, False)
                 self.served += 1
             else:
+                self._landed(k)
                 self.inflight[k] = (buf, self.tier.read(region, buf[:region.nbytes]), False)
+
+    def _guess(self, key: int) -> list[int]:
+        """Nothing learned after this fetch: the `count` shards placed after `key` in the direction
+        the last two fetches went (placement order; the first forward goes up, its backward down)."""
+        placed = self.tier.placed()
+        if len(placed) != len(self._placed):
+            self._placed = [k for k, _, _ in placed]
+            self._position = {k: i for i, k in enumerate(self._placed)}
+        i, before = self._position.get(key), self._position.get(self.context[0])
+        if i is None or before is None:
+            return []
+        step = 1 if i > before else -1
+        ahead = range(i + step, i + step * (self.count + 1), step)
+        return [self._placed[j] for j in ahead if 0 <= j < len(self._placed)]
+
+    def _landed(self, key: int) -> None:
+        """Before a read of `key` from the disk: its last write has landed (a read overlapping
+        it would return the old values)."""
+        handle = self.landing.pop(key, None)
+        if handle is not None:
+            self._wait(handle)
 
     def _buffer(self) -> torch.Tensor | None:
         if self.free:
@@ -157,6 +190,7 @@ class ReadAhead:
         if not self._size() or region.nbytes > self.buffer_bytes:
             return False
         value = work.detach().reshape(-1)
+        self._landed(key)  # writes of one region land in order
         entry = self.inflight.pop(key, None)
         if entry is not None:  # a read or a write of it is outstanding: let it land, then reuse its buffer
             buf, handle, _ = entry
@@ -208,6 +242,7 @@ class ReadAhead:
             self._wait(handle)
         for _, handle in self.retiring:
             self._wait(handle)
+        self.landing.clear()
 
     def drop_all(self) -> None:
         for key in list(self.inflight):
