@@ -602,8 +602,8 @@ def test_fixtures_regenerate_with_deepspeed(tmp_path):
 
 
 def test_fp16_loss_scale_carries_over():
-    """DeepSpeed's CPU accelerator cannot train fp16, so there is no fp16 fixture: this checks
-    the translation of a DynamicLossScaler's attributes (names from DeepSpeed 0.18's
+    """The translation of a scaler state other than the fp16 fixtures' (test_deepspeed_fp16.py,
+    made where DeepSpeed's CPU accelerator trains fp16): this checks the translation of a DynamicLossScaler's attributes (names from DeepSpeed 0.18's
     runtime/fp16/loss_scaler.py: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis) into
     zeroshard's dynamic scaler, as the loader applies it."""
     from types import SimpleNamespace
