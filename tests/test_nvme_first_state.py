@@ -1,5 +1,5 @@
 """A sub-group's first step on the NVMe tier starts torch's Adam / AdamW from zeroed states in
-its swap buffer (optim.nvme_swap.first_state_in) instead of letting torch allocate them: the
+its swap buffer (optim.first_state.first_state_in) instead of letting torch allocate them: the
 3.15B demo's first step spent its gap faulting in 25 GB of fresh zeros (issue 24). The
 state must be the one torch would have created: the step that follows equals a plain
 optimizer's bit for bit, for every option that changes the state torch makes."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroshard.optim.nvme_swap import first_state_in
+from zeroshard.optim.first_state import first_state_in
 
 
 @pytest.mark.parametrize("cls, options", [

@@ -27,7 +27,7 @@ elements x 4 bytes (K: the optimizer's per-element states, found by stepping a p
 3 give the full overlap, 2 read ahead only, 1 is serial; more keep more sub-groups' values
 between steps (not read again while still held; their files are written every step).
 Host-resident optimizer bytes never exceed the buffers. A sub-group's first step with torch's
-Adam / AdamW starts from zeroed states in its buffer (`first_state_in`); with other optimizers
+Adam / AdamW starts from zeroed states in its buffer (`optim.first_state`); with other optimizers
 torch creates the states, which adds that sub-group's states for the time of its step.
 """
 
@@ -41,6 +41,7 @@ import torch
 
 from zeroshard.offload.aio import Handle, align_up, aligned_empty
 from zeroshard.offload.nvme import NvmeTier, Region
+from zeroshard.optim.first_state import first_state_in
 from zeroshard.partition.flat_bucket import placeholder
 from zeroshard.partition import MemoryLedger
 
@@ -55,31 +56,6 @@ def state_count(build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], 
     probe.grad = torch.zeros_like(probe)
     opt.step()
     return sum(1 for v in opt.state.get(probe, {}).values() if torch.is_tensor(v) and v.dim() > 0)
-
-
-ZERO_FIRST_STATE = (torch.optim.Adam, torch.optim.AdamW)  # classes whose first step starts from zeros
-
-
-def first_state_in(optimizer: torch.optim.Optimizer, master: torch.Tensor, views: list[torch.Tensor]) -> bool:
-    """Give `master`, before its first step, the state torch's Adam / AdamW create then
-    (torch/optim/adam.py `_init_group`: `step` 0, exp_avg, exp_avg_sq and with amsgrad
-    max_exp_avg_sq zeros), its per-element states zeroed in `views` (a swap buffer, in the
-    order of `state_names`) instead of fresh allocations: 8 bytes per element allocated anew
-    fault in every page, most of the 3.15B demo's first-step gap (bench/RESULTS.md). False
-    (torch creates them) for other optimizers or a master that has a state already."""
-    if type(optimizer) not in ZERO_FIRST_STATE or optimizer.state.get(master):
-        return False
-    group = next(g for g in optimizer.param_groups if any(p is master for p in g["params"]))
-    names = sorted(["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else []))
-    if len(views) < len(names):
-        return False
-    fused, on_device = group.get("fused"), group.get("capturable") or group.get("fused")
-    scalar = torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
-    state: dict[str, Any] = {"step": torch.zeros((), dtype=scalar, device=master.device if on_device else "cpu")}
-    for name, view in zip(names, views):
-        state[name] = view.view_as(master).zero_()
-    optimizer.state[master] = state
-    return True
 
 
 def buffer_plan(buffer_count: int) -> tuple[int, str]:
