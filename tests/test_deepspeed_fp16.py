@@ -20,8 +20,10 @@ load and 4096 after the 3 steps, as DeepSpeed's is. The trajectory must stay wit
 - Stage 0 (FP16_UnfusedOptimizer). The masters and states load bit-equal, and the first loss
   after the load agrees to 7.5e-5. DeepSpeed's Adam moments at stage 0 are far smaller than at
   stage 1 on the same data: mean |exp_avg| of fc1.weight is 7.45e-6 against 6.60e-3 (1/885), and
-  exp_avg_sq is 9.9e-11 against 7.55e-5 (1/885 squared). So its unfused optimizer steps Adam on
-  gradients about one loss scale (1024-2048) smaller than the true ones. Its first update from a
+  exp_avg_sq is 9.9e-11 against 7.55e-5 (1/885 squared). After DeepSpeed's first step from a
+  fresh model, exp_avg at stage 1 over exp_avg at stage 0 is 949.2 for every element. That is
+  1024 / 1.0788: stage 1 clips a gradient of norm 1.0788 to 1, while stage 0 steps Adam on the
+  gradient divided by the loss scale 1024 once too often, which is then too small to clip. Its first update from a
   fresh model is also 0.742 of stage 1's, which is Adam at step 2: `initialize_optimizer_states`
   takes one step with zero gradients. zeroshard steps on the true gradients, which swamp those
   tiny moments, so its first update after the load is 0.54 x lr on every element (Adam at
