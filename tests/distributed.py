@@ -9,9 +9,31 @@ instead of freezing CI.
 
 from __future__ import annotations
 
+import contextlib
+
 from zeroshard.bench.ranks import free_port, from_wire, rank_entry, run_ranks, to_wire
 
 # the names tests that start ranks themselves use (test_dead_ranks)
 _entry, _from_wire, _to_wire = rank_entry, from_wire, to_wire
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "one_group", "run_ranks"]
+
+
+@contextlib.contextmanager
+def one_group():
+    """One gloo process group for a rank that builds several engines in turn. Each engine then
+    makes (and releases) a group of its own on it. Otherwise each engine makes and destroys the
+    default group, and a fast rank's next rendezvous can reach rank 0's old store just before
+    rank 0 tears it down ("Failed to recv, got 0 bytes"), which happened twice in full runs of
+    test_resume_matches_deepspeed_on_two_ranks."""
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo")
+    try:
+        yield
+    finally:
+        if made and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

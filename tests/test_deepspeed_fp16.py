@@ -41,7 +41,7 @@ import pytest
 import torch
 
 import test_deepspeed_migration as migration
-from distributed import run_ranks
+from distributed import one_group, run_ranks
 
 common, record, FIX = migration.common, migration.record, migration.FIX
 CASES = ["stage0_fp16", "stage1_fp16", "stage2_fp16", "stage3_fp16"]
@@ -58,18 +58,19 @@ def _resume(rank: int, world: int, cases: list[str]) -> dict:
     loaded, the loss scale then and after K steps, the losses and the final parameters."""
     import zeroshard.deepspeed as deepspeed
 
-    out = {}
-    for case in cases:
-        rec = record(case)
-        model = common.make_model(seed=common.SEED + 7)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=common.trainable(model),
-                                               config=json.loads(json.dumps(rec["config"])))
-        engine.load_checkpoint(os.path.join(FIX, case))
-        loaded, scale_loaded = migration._masters(engine), engine.loss_scale
-        losses = migration._train(engine, rank, world, range(common.K, 2 * common.K))
-        out[case] = {"loaded": loaded, "scale_loaded": scale_loaded, "scale_final": engine.loss_scale,
-                     "losses": losses, "final": migration._masters(engine), "skipped": engine.skipped_steps}
-        engine.destroy()
+    with one_group():
+        out = {}
+        for case in cases:
+            rec = record(case)
+            model = common.make_model(seed=common.SEED + 7)
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=common.trainable(model),
+                                                   config=json.loads(json.dumps(rec["config"])))
+            engine.load_checkpoint(os.path.join(FIX, case))
+            loaded, scale_loaded = migration._masters(engine), engine.loss_scale
+            losses = migration._train(engine, rank, world, range(common.K, 2 * common.K))
+            out[case] = {"loaded": loaded, "scale_loaded": scale_loaded, "scale_final": engine.loss_scale,
+                         "losses": losses, "final": migration._masters(engine), "skipped": engine.skipped_steps}
+            engine.destroy()
     return out
 
 

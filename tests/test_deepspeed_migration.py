@@ -32,7 +32,7 @@ import sys
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import one_group, run_ranks
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "deepspeed_ckpt")
 
@@ -90,19 +90,20 @@ def _resume_dropin(rank: int, world: int, cases: list[str]) -> dict:
     """Every case through zeroshard.deepspeed.initialize + engine.load_checkpoint."""
     import zeroshard.deepspeed as deepspeed
 
-    out = {}
-    for case in cases:
-        rec = record(case)
-        model = common.make_model(seed=common.SEED + 7, frozen=bool(rec.get("frozen")))  # the load must set them all
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=common.trainable(model),
-                                               config=json.loads(json.dumps(rec["config"])))
-        path, client = engine.load_checkpoint(os.path.join(FIX, case))
-        loaded = _masters(engine)
-        steps = (engine.global_steps, engine.get_lr())
-        losses = _train(engine, rank, world, range(common.K, 2 * common.K))
-        out[case] = {"path": path, "client": client, "loaded": loaded, "steps": steps, "losses": losses,
-                     "final": _masters(engine)}
-        engine.destroy()
+    with one_group():
+        out = {}
+        for case in cases:
+            rec = record(case)
+            model = common.make_model(seed=common.SEED + 7, frozen=bool(rec.get("frozen")))  # the load must set them all
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=common.trainable(model),
+                                                   config=json.loads(json.dumps(rec["config"])))
+            path, client = engine.load_checkpoint(os.path.join(FIX, case))
+            loaded = _masters(engine)
+            steps = (engine.global_steps, engine.get_lr())
+            losses = _train(engine, rank, world, range(common.K, 2 * common.K))
+            out[case] = {"path": path, "client": client, "loaded": loaded, "steps": steps, "losses": losses,
+                         "final": _masters(engine)}
+            engine.destroy()
     return out
 
 
@@ -167,18 +168,19 @@ def _resume_native(rank: int, world: int, plan: list[tuple[str, int]], tmp: str)
     read back by name."""
     import zeroshard
 
-    out = {}
-    for case, stage, *src in plan:
-        model = common.make_model(seed=common.SEED + 7, frozen=bool(record(case).get("frozen")))
-        engine = zeroshard.initialize(model, _config(case, stage, world))
-        client = engine.load_checkpoint(src[0] if src else os.path.join(FIX, case))
-        loaded = _masters(engine)
-        again = os.path.join(tmp, f"{case}-to-stage{stage}-on{world}")
-        engine.save_checkpoint(again)
-        losses = _train(engine, rank, world, range(common.K, 2 * common.K))
-        out[f"{case}>{stage}"] = {"client": client, "loaded": loaded, "again": again, "losses": losses,
-                                  "final": _masters(engine), "global_steps": engine.global_steps}
-        engine.close()
+    with one_group():
+        out = {}
+        for case, stage, *src in plan:
+            model = common.make_model(seed=common.SEED + 7, frozen=bool(record(case).get("frozen")))
+            engine = zeroshard.initialize(model, _config(case, stage, world))
+            client = engine.load_checkpoint(src[0] if src else os.path.join(FIX, case))
+            loaded = _masters(engine)
+            again = os.path.join(tmp, f"{case}-to-stage{stage}-on{world}")
+            engine.save_checkpoint(again)
+            losses = _train(engine, rank, world, range(common.K, 2 * common.K))
+            out[f"{case}>{stage}"] = {"client": client, "loaded": loaded, "again": again, "losses": losses,
+                                      "final": _masters(engine), "global_steps": engine.global_steps}
+            engine.close()
     return out
 
 

@@ -26,7 +26,7 @@ import shutil
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import one_group, run_ranks
 from test_deepspeed_migration import (
     BF16_LOSS,
     FIX,
@@ -76,18 +76,19 @@ def _dropin(rank: int, world: int, cases: tuple[str, ...]) -> dict:
     """The DeepSpeed drop-in, configured as DeepSpeed was to resume the universal folder."""
     import zeroshard.deepspeed as deepspeed
 
-    out = {}
-    for case in cases:
-        cfg = json.load(open(universal(case) + ".json"))["config"]
-        assert cfg["checkpoint"] == {"load_universal": True}
-        model = common.make_model(seed=common.SEED + 7)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=common.trainable(model), config=cfg)
-        _, client = engine.load_checkpoint(universal(case))
-        loaded = _masters(engine)
-        losses = _train(engine, rank, world, range(common.K, 2 * common.K))
-        out[case] = {"client": client, "loaded": loaded, "losses": losses, "final": _masters(engine),
-                     "global_steps": engine.global_steps}
-        engine.destroy()
+    with one_group():
+        out = {}
+        for case in cases:
+            cfg = json.load(open(universal(case) + ".json"))["config"]
+            assert cfg["checkpoint"] == {"load_universal": True}
+            model = common.make_model(seed=common.SEED + 7)
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=common.trainable(model), config=cfg)
+            _, client = engine.load_checkpoint(universal(case))
+            loaded = _masters(engine)
+            losses = _train(engine, rank, world, range(common.K, 2 * common.K))
+            out[case] = {"client": client, "loaded": loaded, "losses": losses, "final": _masters(engine),
+                         "global_steps": engine.global_steps}
+            engine.destroy()
     return out
 
 
