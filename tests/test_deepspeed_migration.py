@@ -572,9 +572,10 @@ def _deepspeed_python() -> str | None:
 
 @pytest.mark.slow
 def test_fixtures_regenerate_with_deepspeed(tmp_path):
-    """make_fixtures.py run again with the installed DeepSpeed writes the same layout and
-    DeepSpeed trains the same numbers: every tensor in the new folders reads back as the
-    stored fixtures' do (1e-6 relative), and the recorded losses agree."""
+    """make_fixtures.py run again with the installed DeepSpeed (with the fp16 cases where it
+    trains fp16) writes the same layout and DeepSpeed trains the same numbers: every tensor in
+    the new folders reads back as the stored fixtures' do (1e-6 relative), and the recorded
+    losses agree."""
     import subprocess
 
     from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint
@@ -583,10 +584,12 @@ def test_fixtures_regenerate_with_deepspeed(tmp_path):
     if python is None:
         pytest.skip("DeepSpeed is not installed (neither /work/dsvenv nor an importable deepspeed)")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([python, os.path.join(FIX, "make_fixtures.py"), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=1800)
+    # the fp16 fixtures too where DeepSpeed's CPU accelerator trains fp16 (its own test, oneDNN's)
+    fp16 = [f"stage{s}_fp16" for s in common.STAGES] if torch.ops.mkldnn._is_mkldnn_fp16_supported() else []
+    done = subprocess.run([python, os.path.join(FIX, "make_fixtures.py"), str(tmp_path)] + (CASES + fp16 if fp16 else []),
+                          env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
-    for case in CASES:
+    for case in CASES + fp16:
         new = json.loads((tmp_path / f"{case}.json").read_text())
         old = record(case)
         assert new["losses_before_save"] == pytest.approx(old["losses_before_save"], rel=1e-6)
@@ -604,10 +607,10 @@ def test_fixtures_regenerate_with_deepspeed(tmp_path):
 
 
 def test_fp16_loss_scale_carries_over():
-    """The translation of a scaler state other than the fp16 fixtures' (test_deepspeed_fp16.py,
-    made where DeepSpeed's CPU accelerator trains fp16): this checks the translation of a DynamicLossScaler's attributes (names from DeepSpeed 0.18's
-    runtime/fp16/loss_scaler.py: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis) into
-    zeroshard's dynamic scaler, as the loader applies it."""
+    """Beside the fp16 fixtures (test_deepspeed_fp16.py): the translation of a DynamicLossScaler's
+    attributes in another state (names from DeepSpeed 0.18's runtime/fp16/loss_scaler.py:
+    cur_scale, cur_iter, last_overflow_iter, cur_hysteresis) into zeroshard's dynamic scaler, as
+    the loader applies it."""
     from types import SimpleNamespace
 
     from zeroshard.checkpoint.deepspeed_reader import resume
