@@ -74,6 +74,9 @@ def _evidence(engine) -> dict:
     """What the files and the ledger say after a step."""
     opt = engine.optimizer
     swap = opt.store
+    # after a step every buffer is already taking one of the next step's first sub-groups
+    first = [k for k in swap._order if any(swap.swapped[b] for b in swap.sub_groups[k])][:swap.slots_used]
+    coming = sorted(slot.sub_group for slot in swap._slots if slot.sub_group in first)
     resident = 0  # bytes of optimizer tensors with real storage outside the swap buffers
     for b, m in enumerate(opt.masters):
         tensors = [m] + [v for v in opt.state.get(m, {}).values() if torch.is_tensor(v) and v.dim() > 0]
@@ -97,6 +100,7 @@ def _evidence(engine) -> dict:
     buffers = sum(slot.buffer.numel() * slot.buffer.element_size() for slot in swap._slots if slot.buffer is not None)
     assert buffers == min(swap.slots_used, len(opt._sub_groups)) * swap.slot_bytes
     return {"resident": resident, "buffers": buffers, "slots": swap.slots_used,
+            "next_first": sorted(first), "coming": coming,
             "params_nvme": params_on_disk, "param_pool": sum(a.pool_bytes for a in ahead),
             "read_ahead_hits": sum(a.hits for a in ahead),
             "rewritten": sum(a.rewritten for a in ahead), "served": sum(a.served for a in ahead),
@@ -198,6 +202,9 @@ def test_states_live_in_the_files_and_host_holds_only_the_buffers(i, results):
         assert not r["left_after_close"] and not any(os.path.exists(f) for f in r["param_files"])
         if CASES[i][1] is nvme_both:  # parameter shards were fetched ahead of their gathers
             assert r["params_nvme"] == s["params"] and r["param_pool"] > 0 and r["read_ahead_hits"] > 0
+        # the next step's first sub-groups are on their way, one per buffer (issue 24: the disk works
+        # during forward), each read behind its buffer's writes
+        assert r["coming"] == r["next_first"], (r["coming"], r["next_first"], r["slots"])
 
 
 @pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if c[1] is nvme_both],

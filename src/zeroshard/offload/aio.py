@@ -26,6 +26,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -126,6 +127,27 @@ class Handle:
 DONE = Handle([], 0, "nothing")
 
 
+def after(first: list[Handle], then: Callable[[], list[Handle]], nbytes: int, what: str) -> Handle:
+    """A request that starts once `first` are done, without the caller waiting for them:
+    `then()` runs on a thread of its own when they are, and the handle is done when the
+    requests it started are (an error of either is raised by `wait`)."""
+    done: Future = Future()
+    pending = list(first)
+
+    def run() -> None:
+        try:
+            for h in pending:
+                h.wait()
+            for h in then():
+                h.wait()
+            done.set_result(None)
+        except BaseException as exc:  # handed to whoever waits
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="zeroshard-aio-after", daemon=True).start()
+    return Handle([done], nbytes, what)
+
+
 class IOEngine:
     """A thread pool doing positioned I/O on files of one folder."""
 
@@ -180,10 +202,11 @@ class IOEngine:
             futures = [self._pool.submit(self._serial, fd, t, offset, pieces, write, path)]
         else:
             futures = [self._pool.submit(self._piece, fd, t, offset, s, n, write, path) for s, n in pieces]
-        if write:
-            self.bytes_written += nbytes
-        else:
-            self.bytes_read += nbytes
+        with self._lock:  # requests may start on a chain's thread (`after`)
+            if write:
+                self.bytes_written += nbytes
+            else:
+                self.bytes_read += nbytes
         handle = Handle(futures, nbytes, what)
         if not self.settings.overlap:
             self.wait(handle)

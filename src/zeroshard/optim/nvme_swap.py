@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zeroshard.offload.aio import Handle, align_up, aligned_empty
+from zeroshard.offload.aio import Handle, after, align_up, aligned_empty
 from zeroshard.offload.nvme import NvmeTier, Region
 from zeroshard.optim.first_state import first_state_in
 from zeroshard.partition.flat_bucket import placeholder
@@ -114,13 +114,15 @@ class SwapPipeline:
         """The buffer holding (or receiving) sub-group k's values, if any."""
         return next((s for s in self._slots if s.sub_group == k), None)
 
-    def _claim(self) -> _Slot | None:
-        """The buffer used longest ago among those not bound to the optimizer, its I/O finished."""
+    def _claim(self, writes_may_run: bool = False) -> _Slot | None:
+        """The buffer used longest ago among those not bound to the optimizer, its I/O finished
+        (with `writes_may_run`, its writes may still run: the caller's reads wait for them)."""
         free = [s for s in self._slots if not s.in_use]
         if not free:
             return None
         slot = min(free, key=lambda s: s.tick)
-        self._wait(slot.writes)
+        if not writes_may_run:
+            self._wait(slot.writes)
         self._wait(slot.reads)
         slot.sub_group = -1
         if slot.buffer is None and self.slot_bytes:
@@ -173,21 +175,30 @@ class SwapPipeline:
         handles.clear()
 
     # -- the pipeline --------------------------------------------------------------------------
-    def prefetch(self, k: int | None) -> None:
-        """Start reading sub-group k into a buffer (after that buffer's last writes are done)."""
+    def prefetch(self, k: int | None, behind_writes: bool = False) -> None:
+        """Start reading sub-group k into a buffer after that buffer's last writes are done:
+        waited for here, or with `behind_writes` by the read itself (the caller goes on)."""
         if k is None or k >= len(self.sub_groups) or not any(self.swapped[b] for b in self.sub_groups[k]):
             return
-        if self._slot_of(k) is not None:  # coming, or its values are still in a buffer
+        held = self._slot_of(k)
+        if held is not None:  # coming, or its values are still in a buffer: kept from the next claims
+            self._touch(held)
             return
-        slot = self._claim()
+        slot = self._claim(writes_may_run=behind_writes)
         if slot is None:  # every buffer is bound (1 slot, stepping): read it at its swap_in
             return
         slot.sub_group = k
         self._touch(slot)
+        requests = []
         for b, views in self._views(slot, k, whole=True):
-            slot.reads.append(self.tier.read(self.tier.region_of(self.masters[b]), views[0]))
-            for name, view in zip(self.state_names(b), views[1:]):
-                slot.reads.append(self.tier.read(self._state_region(b, name), view))
+            requests.append((self.tier.region_of(self.masters[b]), views[0]))
+            requests += [(self._state_region(b, name), view) for name, view in zip(self.state_names(b), views[1:])]
+        if behind_writes and slot.writes:
+            nbytes = sum(v.numel() * v.element_size() for _, v in requests)
+            slot.reads.append(after(slot.writes, lambda: [self.tier.read(r, v) for r, v in requests], nbytes,
+                                    f"read of sub-group {k} behind its buffer's writes"))
+        else:
+            slot.reads += [self.tier.read(r, v) for r, v in requests]
 
     def swap_in(self, k: int) -> None:
         """Sub-group k's masters and states are in host memory, in the tensors the optimizer holds."""
@@ -239,12 +250,16 @@ class SwapPipeline:
         self._touch(slot)
 
     def end_step(self) -> None:
-        """This step's order is the one to read ahead along; the next step's first sub-group
-        starts coming in. Writes still running land while the next forward runs."""
+        """This step's order is the one to read ahead along; the next step's first sub-groups
+        start coming in, one per buffer, each read behind its buffer's writes, which land while
+        the next forward runs: the disk works through the forward, not only from the first
+        sub-group of backward on."""
         if self._seq:
             self._order, self._seq = self._seq, []
             self._next = {k: self._order[(i + 1) % len(self._order)] for i, k in enumerate(self._order)}
-            self.prefetch(self._order[0])
+            first = [k for k in self._order if any(self.swapped[b] for b in self.sub_groups[k])][:self.slots_used]
+            for i, k in enumerate(first):
+                self.prefetch(k, behind_writes=i > 0)
 
     def drain(self) -> None:
         """Every read and write finished: the files hold the whole optimizer state, and no
