@@ -180,10 +180,8 @@ class SwapPipeline:
         waited for here, or with `behind_writes` by the read itself (the caller goes on)."""
         if k is None or k >= len(self.sub_groups) or not any(self.swapped[b] for b in self.sub_groups[k]):
             return
-        held = self._slot_of(k)
-        if held is not None:  # coming, or its values are still in a buffer: kept from the next claims
-            self._touch(held)
-            return
+        if (held := self._slot_of(k)) is not None:  # coming, or its values still in a buffer: kept from claims
+            return self._touch(held)
         slot = self._claim(writes_may_run=behind_writes)
         if slot is None:  # every buffer is bound (1 slot, stepping): read it at its swap_in
             return
@@ -251,9 +249,8 @@ class SwapPipeline:
 
     def end_step(self) -> None:
         """This step's order is the one to read ahead along; the next step's first sub-groups
-        start coming in, one per buffer, each read behind its buffer's writes, which land while
-        the next forward runs: the disk works through the forward, not only from the first
-        sub-group of backward on."""
+        start coming in, one per buffer, each read behind its buffer's writes: the disk works
+        while the next forward runs."""
         if self._seq:
             self._order, self._seq = self._seq, []
             self._next = {k: self._order[(i + 1) % len(self._order)] for i, k in enumerate(self._order)}
