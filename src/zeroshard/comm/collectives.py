@@ -111,11 +111,17 @@ class Comm:
         else:
             self._where = value
 
-    @property
-    def buffers(self):
-        """The BufferPool (partition.buffer_pool) that large transient buffers of every comm
-        made by `on` come from and go back to; None: fresh ones each time."""
-        return self._root.pool if self._root is not None else self.pool
+    def scratch(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A transient 1-D buffer from the root comm's BufferPool (partition.buffer_pool; a
+        fresh one without a pool); hand it back with `give_back` once its values are used."""
+        pool = self._root.pool if self._root is not None else self.pool
+        return pool.empty(numel, dtype, device) if pool is not None else torch.empty(numel, dtype=dtype, device=device)
+
+    def give_back(self, *buffers: torch.Tensor) -> None:
+        pool = self._root.pool if self._root is not None else self.pool
+        if pool is not None:
+            for t in buffers:
+                pool.give(t)
 
     def on(self, group: Group) -> "Comm":
         """The same collectives, ledger and timeout on `group`."""
@@ -247,10 +253,7 @@ class Comm:
             flat.mul_(1.0 / n)
             average = False
         chunks = [flat[p * size : (p + 1) * size] for p in range(n)]
-        pool = self.buffers
-        count = (n - 1) * size
-        spare = pool.empty(count, input.dtype, input.device) if pool is not None else \
-            torch.empty(count, dtype=input.dtype, device=input.device)
+        spare = self.scratch((n - 1) * size, input.dtype, input.device)
         received = [spare[k * size : (k + 1) * size] for k in range(n - 1)]
 
         def finish() -> None:
@@ -260,8 +263,7 @@ class Comm:
                 out.add_(part)
             if average:
                 out.mul_(1.0 / n)
-            if pool is not None:
-                pool.give(spare)
+            self.give_back(spare)
 
         sends, tag = [chunks[p] for p in self._peers()], self._tag("reduce_scatter", input.numel(), input.dtype)
         return self.issue("reduce_scatter", input, input.numel(), what,

@@ -42,8 +42,8 @@ def _scales(rows: int, count: int, device: torch.device) -> torch.Tensor:
 
 class _OnComm:
     """A collective over `self.comm`'s group: its rank and size are the group's. Its payload
-    buffers come from the comm's BufferPool and go back to it once dequantized (`_take`,
-    `_give`): a 32 MiB payload allocated afresh each call faults every page in again."""
+    buffers are the comm's scratch buffers, given back once dequantized: a 32 MiB payload
+    allocated afresh each call faults every page in again."""
 
     comm: Comm
 
@@ -54,15 +54,6 @@ class _OnComm:
     @property
     def world_size(self) -> int:
         return self.comm.world_size
-
-    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        pool = self.comm.buffers
-        return pool.empty(numel, dtype, device) if pool is not None else torch.empty(numel, dtype=dtype, device=device)
-
-    def _give(self, *flats: torch.Tensor) -> None:
-        if self.comm.buffers is not None:
-            for t in flats:
-                self.comm.buffers.give(t)
 
 
 class QuantizedAllGather(_OnComm, AllGather):
@@ -83,13 +74,13 @@ class QuantizedAllGather(_OnComm, AllGather):
                             "of one dtype are quantized; this is a zeroshard bug, please report it.")
         blocks = plan_blocks(input.numel(), self.bits, self.block)
         dev, bytes_, count = input.device, blocks.payload_bytes, blocks.count
-        q_flat, q_all_flat = self._take(bytes_, torch.int8, dev), self._take(n * bytes_, torch.int8, dev)
+        q_flat, q_all_flat = self.comm.scratch(bytes_, torch.int8, dev), self.comm.scratch(n * bytes_, torch.int8, dev)
         q, scales = quantize(input.reshape(1, -1), blocks, out=(q_flat, _scales(1, count, dev)))
         q_all, s_all = q_all_flat.view(n, bytes_), _scales(n, count, dev)
 
         def finish() -> None:
             dequantize(q_all, s_all, blocks, output.dtype, out=output.view(n, -1))
-            self._give(q_flat, q_all_flat)
+            self.comm.give_back(q_flat, q_all_flat)
 
         def call():
             return [comm.launch_all_gather(q_all.view(-1), q.view(-1)),
@@ -121,13 +112,13 @@ class QuantizedAllToAll(_OnComm, AllToAll):
                               finish=lambda: out.copy_(rows))
         blocks = plan_blocks(width, self.bits, self.block)
         dev, size = input.device, g * blocks.payload_bytes
-        q_in_flat, q_out_flat = self._take(size, torch.int8, dev), self._take(size, torch.int8, dev)
+        q_in_flat, q_out_flat = self.comm.scratch(size, torch.int8, dev), self.comm.scratch(size, torch.int8, dev)
         q_in, scales = quantize(rows, blocks, out=(q_in_flat, _scales(g, blocks.count, dev)))
         q_out, s_out = q_out_flat.view(g, -1), torch.empty_like(scales)
 
         def finish() -> None:
             dequantize(q_out, s_out, blocks, out.dtype, out=out)
-            self._give(q_in_flat, q_out_flat)
+            self.comm.give_back(q_in_flat, q_out_flat)
 
         def call():
             return [comm.launch_all_to_all(q_out, q_in), comm.launch_all_to_all(s_out, scales)]

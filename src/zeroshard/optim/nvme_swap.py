@@ -110,6 +110,9 @@ class SwapPipeline:
         memory.hold("comm_buffers", "nvme_swap_buffers", 0, tier="host")
 
     # -- buffers -----------------------------------------------------------------------------
+    def _on_disk(self, k: int) -> bool:  # sub-group k has a bucket on the nvme tier
+        return any(self.swapped[b] for b in self.sub_groups[k])
+
     def _slot_of(self, k: int) -> _Slot | None:
         """The buffer holding (or receiving) sub-group k's values, if any."""
         return next((s for s in self._slots if s.sub_group == k), None)
@@ -178,7 +181,7 @@ class SwapPipeline:
     def prefetch(self, k: int | None, behind_writes: bool = False) -> None:
         """Start reading sub-group k into a buffer after that buffer's last writes are done:
         waited for here, or with `behind_writes` by the read itself (the caller goes on)."""
-        if k is None or k >= len(self.sub_groups) or not any(self.swapped[b] for b in self.sub_groups[k]):
+        if k is None or k >= len(self.sub_groups) or not self._on_disk(k):
             return
         if (held := self._slot_of(k)) is not None:  # coming, or its values still in a buffer: kept from claims
             return self._touch(held)
@@ -192,16 +195,15 @@ class SwapPipeline:
             requests.append((self.tier.region_of(self.masters[b]), views[0]))
             requests += [(self._state_region(b, name), view) for name, view in zip(self.state_names(b), views[1:])]
         if behind_writes and slot.writes:
-            nbytes = sum(v.numel() * v.element_size() for _, v in requests)
-            slot.reads.append(after(slot.writes, lambda: [self.tier.read(r, v) for r, v in requests], nbytes,
-                                    f"read of sub-group {k} behind its buffer's writes"))
+            slot.reads.append(after(slot.writes, lambda: [self.tier.read(r, v) for r, v in requests],
+                                    sum(v.numel() * v.element_size() for _, v in requests), f"read of sub-group {k}"))
         else:
             slot.reads += [self.tier.read(r, v) for r, v in requests]
 
     def swap_in(self, k: int) -> None:
         """Sub-group k's masters and states are in host memory, in the tensors the optimizer holds."""
         self._seq.append(k)
-        if not any(self.swapped[b] for b in self.sub_groups[k]):
+        if not self._on_disk(k):
             self.prefetch(self._after(k))
             return
         slot = self._slot_of(k)
@@ -223,7 +225,7 @@ class SwapPipeline:
 
     def swap_out(self, k: int) -> None:
         """Start writing sub-group k back; masters and states become placeholders again."""
-        if not any(self.swapped[b] for b in self.sub_groups[k]):
+        if not self._on_disk(k):
             return
         slot = self._slot_of(k)
         for b, views in self._views(slot, k):
@@ -254,7 +256,7 @@ class SwapPipeline:
         if self._seq:
             self._order, self._seq = self._seq, []
             self._next = {k: self._order[(i + 1) % len(self._order)] for i, k in enumerate(self._order)}
-            first = [k for k in self._order if any(self.swapped[b] for b in self.sub_groups[k])][:self.slots_used]
+            first = [k for k in self._order if self._on_disk(k)][:self.slots_used]
             for i, k in enumerate(first):
                 self.prefetch(k, behind_writes=i > 0)
 
