@@ -28,48 +28,25 @@ def precision_policy(config: RootConfig) -> PrecisionPolicy:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
     comm = Precision(config.communication_data_type) if config.communication_data_type else None
     if fp16:
-        f = config.fp16
-        scale = LossScalePolicy(
-            static_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
-            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
-            consecutive_hysteresis=f.consecutive_hysteresis, min_loss_scale=f.min_loss_scale)
+        scale = _same_named(LossScalePolicy, config.fp16, static_scale=config.fp16.loss_scale)
         return PrecisionPolicy(compute=Precision.FP16, reduce=comm or Precision.FP16, loss_scale=scale)
     if bf16:
         return PrecisionPolicy(compute=Precision.BF16, reduce=comm or Precision.BF16)
     return PrecisionPolicy(compute=Precision.FP32, reduce=comm or Precision.FP32)
 
 
+def _same_named(policy: type, block: Any, **given: Any) -> Any:
+    """`policy` (a dataclass) with the value of every field `block` has under the same name, then `given`."""
+    same = {f.name: getattr(block, f.name) for f in dataclasses.fields(policy) if f.name in type(block).model_fields}
+    return policy(**{**same, **given})
+
+
 def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, default: OffloadPolicy) -> OffloadPolicy:
     if block is None:
         return default
-    if isinstance(block, OffloadParamConfig):
-        extra: dict[str, Any] = {"buffer_size": block.buffer_size, "max_in_cpu": block.max_in_cpu}
-    else:
-        extra = {"pipeline_read": block.pipeline_read or block.pipeline,
-                 "pipeline_write": block.pipeline_write or block.pipeline,
-                 "fast_init": block.fast_init, "ratio": block.ratio}
-    return OffloadPolicy(device=OffloadDevice(block.device), nvme_path=block.nvme_path,
-                         pin_memory=block.pin_memory, buffer_count=block.buffer_count, **extra)
-
-
-def _aio(config: RootConfig) -> AioPolicy:
-    a = config.aio
-    if a is None:
-        return AioPolicy()
-    return AioPolicy(block_size=a.block_size, queue_depth=a.queue_depth, intra_op_parallelism=a.intra_op_parallelism,
-                     single_submit=a.single_submit, overlap_events=a.overlap_events, use_gds=a.use_gds)
-
-
-def _stage3(zero: ZeroConfig) -> Stage3Policy:
-    return Stage3Policy(
-        prefetch_bucket_size=zero.prefetch_bucket_size,
-        param_persistence_threshold=zero.param_persistence_threshold,
-        model_persistence_threshold=zero.model_persistence_threshold,
-        max_live_parameters=zero.max_live_parameters,
-        max_reuse_distance=zero.max_reuse_distance,
-        gather_16bit_weights_on_model_save=zero.gather_16bit_weights_on_model_save,
-        unit_classes=tuple(zero.leaf_module.classes) if zero.leaf_module else (),
-    )
+    pipeline = {} if isinstance(block, OffloadParamConfig) else {
+        "pipeline_read": block.pipeline_read or block.pipeline, "pipeline_write": block.pipeline_write or block.pipeline}
+    return _same_named(OffloadPolicy, block, device=OffloadDevice(block.device), **pipeline)
 
 
 def zero_policy(zero: ZeroConfig) -> ZeroPolicy:
@@ -80,19 +57,13 @@ def zero_policy(zero: ZeroConfig) -> ZeroPolicy:
         hpz_partition_size=max(1, zero.zero_hpz_partition_size),
         quantized_gradients=zero.zero_quantized_gradients,
     )
-    return ZeroPolicy(
-        stage=Stage(stage),
-        reduce_bucket_size=zero.reduce_bucket_size,
-        allgather_bucket_size=zero.allgather_bucket_size,
+    units = tuple(zero.leaf_module.classes) if zero.leaf_module else ()
+    return _same_named(
+        ZeroPolicy, zero, stage=Stage(stage),
         overlap_comm=default.overlap_comm if zero.overlap_comm is None else zero.overlap_comm,
-        contiguous_gradients=zero.contiguous_gradients,
-        reduce_scatter=zero.reduce_scatter,
-        sub_group_size=zero.sub_group_size,
-        ignore_unused_parameters=zero.ignore_unused_parameters,
-        compute_grad_norm=zero.compute_grad_norm,
         offload_optimizer=_offload(zero.offload_optimizer if stage >= 1 else None, default.offload_optimizer),
         offload_param=_offload(zero.offload_param if stage == 3 else None, default.offload_param),
-        stage3=_stage3(zero) if stage == 3 else Stage3Policy(),
+        stage3=_same_named(Stage3Policy, zero, unit_classes=units) if stage == 3 else Stage3Policy(),
         zeropp=zeropp if stage == 3 else ZeroPlusPlusPolicy(),
     )
 
@@ -145,10 +116,6 @@ def activation_policy(config: RootConfig) -> ActivationOffloadPolicy:
     return ActivationOffloadPolicy(device=device, nvme_path=path, buffer_count=block.buffer_count, why=why)
 
 
-def _without_auto(params: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in params.items() if not (isinstance(v, str) and v == "auto")}
-
-
 def build_notes(config: RootConfig) -> list[str]:
     notes: list[str] = []
     if config.gradient_clipping is None:
@@ -166,15 +133,12 @@ def build_notes(config: RootConfig) -> list[str]:
 
 def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
                    notes: list[str]) -> Settings:
-    optimizer = scheduler = None
+    optimizer = scheduler = None  # "auto" params were dropped by normalize
     if config.optimizer is not None:
-        optimizer = OptimizerSpec(type=config.optimizer.type.lower(),
-                                  params=_without_auto(config.optimizer.params))
+        optimizer = OptimizerSpec(type=config.optimizer.type.lower(), params=dict(config.optimizer.params))
     if config.scheduler is not None:
-        scheduler = SchedulerSpec(type=config.scheduler.type, params=_without_auto(config.scheduler.params))
-    logger = config.comms_logger
-    comms = CommsLoggerPolicy(enabled=logger.enabled) if logger is not None else CommsLoggerPolicy()
-    runtime = config.zeroshard
+        scheduler = SchedulerSpec(type=config.scheduler.type, params=dict(config.scheduler.params))
+    logger, runtime = config.comms_logger, config.zeroshard
     return Settings(
         batch=batch,
         precision=precision_policy(config),
@@ -184,13 +148,9 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
         gradient_clipping=float(config.gradient_clipping or 0.0),
         steps_per_print=config.steps_per_print,
         wall_clock_breakdown=config.wall_clock_breakdown,
-        comms_logger=comms,
-        aio=_aio(config),
-        runtime=(RuntimePolicy(comm_timeout_s=runtime.comm_timeout_s,
-                               cast_forward_inputs=runtime.cast_forward_inputs,
-                               step_during_backward=runtime.step_during_backward,
-                               trim_host_memory=runtime.trim_host_memory)
-                 if runtime is not None else RuntimePolicy()),
+        comms_logger=CommsLoggerPolicy(enabled=logger.enabled) if logger is not None else CommsLoggerPolicy(),
+        aio=_same_named(AioPolicy, config.aio) if config.aio is not None else AioPolicy(),
+        runtime=_same_named(RuntimePolicy, runtime) if runtime is not None else RuntimePolicy(),
         activations=activation_policy(config),
         raw=raw,
         notes=tuple(notes),
