@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 from pydantic_core import PydanticCustomError
 
 from zeroshard.config.fields import (
@@ -212,52 +212,26 @@ class FlopsProfilerConfig(Section):
     output_file: Text | None = None
 
 
-class AutotuningConfig(Section):
-    """Read only to note that zeroshard does not autotune; values are not checked."""
-
-    enabled: Bool = False
-    start_step: Any = None
-    end_step: Any = None
-    start_profile_step: Any = None
-    end_profile_step: Any = None
-    metric: Any = None
-    metric_path: Any = None
-    arg_mappings: Any = None
-    model_info: Any = None
-    model_info_path: Any = None
-    results_dir: Any = None
-    exps_dir: Any = None
-    overwrite: Any = None
-    fast: Any = None
-    tuner_type: Any = None
-    tuner_early_stopping: Any = None
-    tuner_num_trials: Any = None
-    mp_size: Any = None
-    max_train_batch_size: Any = None
-    min_train_batch_size: Any = None
-    max_train_micro_batch_size_per_gpu: Any = None
-    min_train_micro_batch_size_per_gpu: Any = None
-    num_tuning_micro_batch_sizes: Any = None
+def _accepting(name: str, doc: str, keys: str, **checked: Any) -> type[Section]:
+    """A Section with the `checked` fields ((type, default) pairs) and DeepSpeed's other `keys`,
+    accepted with any value."""
+    return create_model(name, __base__=Section, __doc__=doc, **checked, **{k: (Any, None) for k in keys.split()})
 
 
-class CompileConfig(Section):
-    enabled: Bool = False
-    deepcompile: Bool = False
-    backend: Text | None = None
-    kwargs: dict[str, Any] | None = None
-    free_activation: Any = None
-    offload_activation: Any = None
-    offload_opt_states: Any = None
-    offload_parameters: Any = None
-    double_buffer: Any = None
-    symmetric_memory: Any = None
-    debug_log: Any = None
-    sync_before_reduce: Any = None
-    sync_after_reduce: Any = None
-    sync_before_allgather: Any = None
-    sync_after_allgather: Any = None
-    keep_int_input_tensors: Any = None
-    keep_all_input_tensors: Any = None
+AutotuningConfig = _accepting(
+    "AutotuningConfig", "Read only to note that zeroshard does not autotune; values are not checked.",
+    "start_step end_step start_profile_step end_profile_step metric metric_path arg_mappings model_info "
+    "model_info_path results_dir exps_dir overwrite fast tuner_type tuner_early_stopping tuner_num_trials mp_size "
+    "max_train_batch_size min_train_batch_size max_train_micro_batch_size_per_gpu "
+    "min_train_micro_batch_size_per_gpu num_tuning_micro_batch_sizes",
+    enabled=(Bool, False))
+CompileConfig = _accepting(
+    "CompileConfig", None,
+    "free_activation offload_activation offload_opt_states offload_parameters double_buffer symmetric_memory "
+    "debug_log sync_before_reduce sync_after_reduce sync_before_allgather sync_after_allgather "
+    "keep_int_input_tensors keep_all_input_tensors",
+    enabled=(Bool, False), deepcompile=(Bool, False), backend=(Text | None, None),
+    kwargs=(dict[str, Any] | None, None))
 
 
 class ActivationOffloadConfig(Section):

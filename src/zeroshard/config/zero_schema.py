@@ -39,13 +39,17 @@ DEPRECATED_ZERO_KEYS = (
 )
 
 
-def _needs_nvme_path(device: str, nvme_path: str | None) -> None:
-    if device == "nvme" and not nvme_path:
-        raise PydanticCustomError(
-            "zs_rule", "device 'nvme' needs nvme_path (a directory on the NVMe drive)")
+class _OffloadBlock(Section):
+    """An offload block (its subclasses declare `device` and `nvme_path`)."""
+
+    @model_validator(mode="after")
+    def _nvme(self) -> "_OffloadBlock":
+        if self.device == "nvme" and not self.nvme_path:
+            raise PydanticCustomError("zs_rule", "device 'nvme' needs nvme_path (a directory on the NVMe drive)")
+        return self
 
 
-class OffloadParamConfig(Section):
+class OffloadParamConfig(_OffloadBlock):
     """`offload_param`: where stage 3 keeps parameter shards."""
 
     device: OffloadDeviceName = _PARAM.device.value
@@ -55,13 +59,8 @@ class OffloadParamConfig(Section):
     max_in_cpu: NonNegInt = _PARAM.max_in_cpu
     pin_memory: Bool = _PARAM.pin_memory
 
-    @model_validator(mode="after")
-    def _nvme(self) -> "OffloadParamConfig":
-        _needs_nvme_path(self.device, self.nvme_path)
-        return self
 
-
-class OffloadOptimizerConfig(Section):
+class OffloadOptimizerConfig(_OffloadBlock):
     """`offload_optimizer`: where optimizer states (and the optimizer step) live."""
 
     device: OffloadDeviceName = _OPT.device.value
@@ -75,11 +74,6 @@ class OffloadOptimizerConfig(Section):
     ratio: Real = Field(default=_OPT.ratio, ge=0.0, le=1.0)
     super_offload: Bool = False
     cpuadam_cores_perc: Real = Field(default=0.8, gt=0.0, le=1.0)
-
-    @model_validator(mode="after")
-    def _nvme(self) -> "OffloadOptimizerConfig":
-        _needs_nvme_path(self.device, self.nvme_path)
-        return self
 
 
 class ZenFlowConfig(Section):
