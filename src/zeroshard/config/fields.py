@@ -93,29 +93,25 @@ class Section(BaseModel):
         return tuple(cls.model_fields) + cls.spellings
 
 
-def _unwrap_optional(annotation: Any) -> Any:
-    if typing.get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
+def _field_type(model: type[Section], key: Any) -> Any:
+    """The type of field `key` of `model`, `X | None` read as X; None when there is no such field."""
+    info = model.model_fields.get(key) if isinstance(key, str) else None
+    if info is None:
+        return None
+    args = [a for a in typing.get_args(info.annotation) if a is not type(None)]
+    optional = typing.get_origin(info.annotation) in (Union, types.UnionType) and len(args) == 1
+    return args[0] if optional else info.annotation
 
 
 def section_of(model: type[Section], key: Any) -> type[Section] | None:
     """The Section class of field `key` of `model`, or None when it is a plain value."""
-    info = model.model_fields.get(key) if isinstance(key, str) else None
-    if info is None:
-        return None
-    inner = _unwrap_optional(info.annotation)
+    inner = _field_type(model, key)
     return inner if isinstance(inner, type) and issubclass(inner, Section) else None
 
 
 def is_free_dict(model: type[Section], key: str) -> bool:
     """True for fields holding an unchecked mapping (optimizer/scheduler `params`)."""
-    info = model.model_fields.get(key)
-    if info is None:
-        return False
-    inner = _unwrap_optional(info.annotation)
+    inner = _field_type(model, key)
     return inner is dict or typing.get_origin(inner) is dict
 
 

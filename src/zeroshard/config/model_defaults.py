@@ -29,11 +29,8 @@ def choose_for_model(settings: Settings, trainable: int) -> Settings:
     written = set(zero) if isinstance(zero, dict) else set()
     itemsize = settings.precision.reduce.dtype.itemsize
     size = bucket_elements(trainable, itemsize)
-    changes, why = {}, []
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
-        if key not in written and getattr(settings.zero, key) != size:
-            changes[key] = size
-            why.append(key)
+    changes = {key: size for key in ("reduce_bucket_size", "allgather_bucket_size")
+               if key not in written and getattr(settings.zero, key) != size}
     if not changes:
         return settings
     dtype = str(settings.precision.reduce.dtype).replace("torch.", "")
@@ -44,7 +41,7 @@ def choose_for_model(settings: Settings, trainable: int) -> Settings:
                 f"{trainable:,} trainable parameters fit in {max(1, -(-trainable // size))} bucket(s)")
     else:
         rule = f"a quarter of the {trainable:,} trainable parameters, under DDP's 25 MiB cap"
-    note = (f"{' and '.join(why)} not set: {size:,} elements ({rule}) so reduction overlaps backward; "
+    note = (f"{' and '.join(changes)} not set: {size:,} elements ({rule}) so reduction overlaps backward; "
             "DeepSpeed's default 5e8 would make this model one bucket. Write the key to choose yourself")
     return dataclasses.replace(settings, zero=dataclasses.replace(settings.zero, **changes),
                                notes=(*settings.notes, note))

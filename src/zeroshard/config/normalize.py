@@ -26,12 +26,11 @@ REMOVED_TOP_KEYS = (
 REMOVED_ZERO_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
 
 
-
 def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def _rename(block: dict, old: str, new: str, where: str, renames: dict | None = None) -> None:
+def _rename(block: dict, old: str, new: str, where: str, renames: dict) -> None:
     """Move block[old] to block[new]; both given with different values is an error.
 
     `renames` records (path of the new key) -> (path the user wrote), so that a validation
@@ -42,9 +41,8 @@ def _rename(block: dict, old: str, new: str, where: str, renames: dict | None = 
             f"{where}: {old!r} = {value!r} and {new!r} = {block[new]!r} are both given; "
             f"{old!r} is another name for {new!r}, keep one")
     block[new] = value
-    if renames is not None:
-        prefix = tuple(where.split(".")) if where else ()
-        renames[prefix + (new,)] = prefix + (old,)
+    prefix = tuple(where.split(".")) if where else ()
+    renames[prefix + (new,)] = prefix + (old,)
 
 
 def _refuse_removed(data: dict) -> None:

@@ -10,11 +10,8 @@ _CUTOFF = 0.6
 
 def closest(word: str, candidates: Iterable[str], cutoff: float = _CUTOFF) -> str | None:
     """The candidate nearest to `word`, comparing case-insensitively and ignoring outer spaces."""
-    pool = list(dict.fromkeys(candidates))
-    if not pool:
-        return None
     by_folded: dict[str, str] = {}
-    for name in pool:
+    for name in candidates:
         by_folded.setdefault(name.lower(), name)
     folded = word.strip().lower()
     if folded in by_folded:

@@ -57,12 +57,8 @@ def _when(flag: bool, value: Any = True) -> Any:
     return value if flag else None
 
 
-def _fp16(c: RootConfig) -> Any:
-    return c.fp16 if c.fp16 is not None and c.fp16.enabled else None
-
-
-def _bf16(c: RootConfig) -> Any:
-    return c.bf16 if c.bf16 is not None and c.bf16.enabled else None
+def _enabled(block: Any) -> Any:
+    return block if block is not None and block.enabled else None
 
 
 def _unbuilt_optimizer(c: RootConfig) -> str | None:
@@ -79,12 +75,13 @@ _Z = "zero_optimization."
 GAPS: tuple[Gap, ...] = (
     Gap(_Z + "zenflow", lambda c: _when(c.zero.zenflow is not None, "{...}"), "nothing (remove the block)",
         ZERO_STAGES),
-    Gap("fp16.auto_cast", lambda c: _when(bool(_fp16(c) and c.fp16.auto_cast)), "false"),
+    Gap("fp16.auto_cast", lambda c: _when(bool(_enabled(c.fp16) and c.fp16.auto_cast)), "false"),
     Gap("fp16.fp16_master_weights_and_grads",
-        lambda c: _when(bool(_fp16(c) and c.fp16.fp16_master_weights_and_grads)), "false"),
+        lambda c: _when(bool(_enabled(c.fp16) and c.fp16.fp16_master_weights_and_grads)), "false"),
     Gap("bf16.bf16_master_weights_and_grads",
-        lambda c: _when(bool(_bf16(c) and c.bf16.bf16_master_weights_and_grads)), "false"),
-    Gap("bf16.bf16_optimizer_states", lambda c: _when(bool(_bf16(c) and c.bf16.bf16_optimizer_states)), "false"),
+        lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_master_weights_and_grads)), "false"),
+    Gap("bf16.bf16_optimizer_states",
+        lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_optimizer_states)), "false"),
     Gap("torch_autocast.enabled", lambda c: _when(bool(c.torch_autocast and c.torch_autocast.enabled)), "false"),
     Gap("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype if c.data_types else None, "null"),
     Gap("prescale_gradients", lambda c: _when(c.prescale_gradients), "false"),

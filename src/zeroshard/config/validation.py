@@ -97,9 +97,6 @@ def describe(root: type[Section], error: dict[str, Any], renames: dict[tuple, tu
         if loc != schema_loc and schema_loc[:-1]:
             text = text.replace(f"in {_dotted(schema_loc[:-1])}", f"in {_dotted(loc[:-1])}", 1)
         return text
-    if kind == "invalid_key":
-        where = f"in {_dotted(loc[:-1])}" if loc[:-1] else "at top level"
-        return f"key {loc[-1]!r} {where} is not a string; keys must be strings"
     if kind == "missing":
         return f"{_dotted(loc[:-1]) or 'top level'}: missing required key {str(loc[-1])!r}"
     path = _dotted(loc) or "config"
