@@ -19,10 +19,9 @@ def _mib(b: float) -> str:
     return f"{b / MiB:,.1f} MiB"
 
 
-def _missing(names: list[str], rows: dict) -> dict | None:
-    absent = [n for n in names if n not in rows]
-    return None if not absent else {"answer": f"not measured in this run: add --systems {','.join(names)}",
-                                     "figures": {}}
+def _missing(names: list[str]) -> dict:
+    """The answer to a question whose systems were not all run."""
+    return {"answer": f"not measured in this run: add --systems {','.join(names)}", "figures": {}}
 
 
 def _memory(rows: dict, bf16: bool) -> dict[str, Any]:
@@ -30,7 +29,7 @@ def _memory(rows: dict, bf16: bool) -> dict[str, Any]:
          "claim": "per rank 2Phi+2Phi+K*Phi (DP), K*Phi/N more sharded at stage 1, gradients at 2, parameters at 3"}
     stages = [f"zs{k}" for k in range(4) if f"zs{k}" in rows]
     if not stages:
-        return {**q, **_missing(["zs0", "zs1", "zs2", "zs3"], rows)}
+        return {**q, **_missing(["zs0", "zs1", "zs2", "zs3"])}
     figures, parts = {}, []
     for name in stages:
         row = rows[name]
@@ -58,7 +57,7 @@ def _comm(rows: dict) -> dict[str, Any]:
          "claim": "ZeRO-1 adds an all-gather: 3 Phi; ZeRO-2 about 3 Phi; ZeRO-3 3 Phi (1.5x DP)"}
     stages = [f"zs{k}" for k in range(4) if f"zs{k}" in rows]
     if not stages:
-        return {**q, **_missing(["zs0", "zs1", "zs2", "zs3"], rows)}
+        return {**q, **_missing(["zs0", "zs1", "zs2", "zs3"])}
     figures, parts = {}, []
     for name in stages:
         led = rows[name]["ledger"]
@@ -102,7 +101,7 @@ def _offload(rows: dict, cuda: bool) -> dict[str, Any]:
          "claim": "typically 20-50 % slower (GPU + PCIe)"}
     pairs = [(f"zs{k}_offload", f"zs{k}") for k in (2, 3) if f"zs{k}_offload" in rows and f"zs{k}" in rows]
     if not pairs:
-        return {**q, **_missing(["zs2", "zs2_offload", "zs3", "zs3_offload"], rows)}
+        return {**q, **_missing(["zs2", "zs2_offload", "zs3", "zs3_offload"])}
     figures, parts = {}, []
     for off, base in pairs:
         mem = rows[off]["ledger"]["memory"][0]
@@ -131,7 +130,7 @@ def _overlap(rows: dict) -> dict[str, Any]:
     variants = [(n, k) for n, k in (("zs2_no_overlap", "overlap_comm"), ("zs2_no_contiguous", "contiguous_gradients"))
                 if n in rows]
     if "zs2" not in rows or not variants:
-        return {**q, **_missing(["zs2", "zs2_no_overlap", "zs2_no_contiguous"], rows)}
+        return {**q, **_missing(["zs2", "zs2_no_overlap", "zs2_no_contiguous"])}
     base = rows["zs2"]
     grad_full = base["ledger"]["trainable"] * (2 if base["config"].get("bf16") else 4)
     figures = {"zs2": {"peak_grad_bytes": _grad_peak(base), "full_gradient_bytes": grad_full}}
@@ -157,7 +156,7 @@ def _fsdp(rows: dict) -> dict[str, Any]:
     q = {"question": "How do FSDP and ZeRO-3 differ?",
          "claim": "the same idea; ZeRO-3 gathers per layer and peaks lower"}
     if "zs3" not in rows or "fsdp2" not in rows:
-        return {**q, **_missing(["fsdp2", "zs3"], rows)}
+        return {**q, **_missing(["fsdp2", "zs3"])}
     r = _ratio_text(rows, "zs3", "fsdp2")
     figures = {"step_ratio": r, "zs3_peak_rss_mib": rows["zs3"]["peak_rss_mib"],
                "fsdp2_peak_rss_mib": rows["fsdp2"]["peak_rss_mib"],

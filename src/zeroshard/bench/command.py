@@ -33,9 +33,6 @@ from zeroshard.cli.launch_cmd import check_nproc
 
 __all__ = ["model_spec", "register", "run"]
 
-SIZES = {"10m": "10m", "50m": "50m", "150m": "150m"}
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark ZeRO stages and offload beside DDP, FSDP2 and DeepSpeed",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,7 +61,7 @@ def register(subparsers) -> None:
 
 def model_spec(name: str) -> str:
     """`--model` as `build_model` reads it: the size names in any case, others unchanged."""
-    return SIZES.get(name.lower(), name) if not name.startswith("hf:") else name
+    return name.lower() if name.lower() in ("10m", "50m", "150m") else name
 
 
 def check_args(args: argparse.Namespace) -> str | None:

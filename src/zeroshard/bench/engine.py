@@ -20,14 +20,7 @@ __all__ = ["EngineRunner", "bench_config"]
 
 def bench_config(system: BenchSystem, micro_batch: int, bf16: bool, unit_classes: list[str],
                  scratch: str) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "gradient_clipping": 0.0,
-        "optimizer": AdamW.config(),
-        "zero_optimization": system.zero_config(scratch),
-    }
+    cfg = system.config(micro_batch, scratch, optimizer=AdamW.config())
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if system.stage == 3 and unit_classes:

@@ -121,12 +121,6 @@ def run_system(args: argparse.Namespace, model: str, system: BenchSystem, folder
     return row, status
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def run_all(args: argparse.Namespace, systems: list[BenchSystem]) -> dict[str, Any]:
     total = len(args.models) * len(systems)
     runs: dict[str, Any] = {}
@@ -149,8 +143,10 @@ def run_all(args: argparse.Namespace, systems: list[BenchSystem]) -> dict[str, A
         first = next(iter(rows.values()), None)
         runs[model] = {"model": model, "phi": first["phi"] if first else None, "rows": rows, "failed": failed,
                        "ratios": ratios(rows), "loss_max_abs_diff_vs_ddp": loss_agreement(rows)}
+    import torch
+
     return {"settings": {"models": args.models, "systems": [s.name for s in systems], "steps": args.steps,
                          "warmup": args.warmup, "nproc": args.nproc, "threads": args.threads,
                          "micro_batch": args.micro_batch, "seq_len": args.seq_len, "bf16": args.bf16,
-                         "seed": args.seed, "cpus": os.cpu_count(), "cuda": _cuda()},
+                         "seed": args.seed, "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()},
             "wall_s": time.perf_counter() - started, "runs": runs}

@@ -114,7 +114,6 @@ class PeerRunner:
     def __init__(self, module: nn.Module, wrapper, optimizer, autocast: bool) -> None:
         self.module, self.wrapper, self.optimizer = module, wrapper, optimizer
         self._autocast = autocast
-        self._after_backward: dict[str, int] = {}
 
     def _context(self):
         if self._autocast:
@@ -128,9 +127,15 @@ class PeerRunner:
         loss.backward()
         return loss
 
-    def optimizer_step(self) -> None:
+    def _update(self) -> None:
         self.optimizer.step()
+
+    def _clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> None:
+        self._update()
+        self._clear_grads()
 
     def step(self, x, y) -> float:
         loss = self.forward_backward(x, y)
@@ -144,9 +149,9 @@ class PeerRunner:
         """One untimed step: the larger of each category after backward and after the step."""
         self.forward_backward(x, y)
         after_backward = count_states(self.module, self.optimizer, self.internals())
-        self.optimizer.step()
+        self._update()
         after_step = count_states(self.module, self.optimizer, self.internals())
-        self.optimizer.zero_grad(set_to_none=True)
+        self._clear_grads()
         return {k: max(after_backward[k], after_step[k]) for k in after_backward}
 
     def close(self) -> None:
@@ -159,21 +164,17 @@ class DeepSpeedRunner(PeerRunner):
         self.wrapper.backward(loss)
         return loss
 
-    def optimizer_step(self) -> None:
-        self.wrapper.step()
+    def _update(self) -> None:
+        self.wrapper.step()  # clears the gradients too
+
+    def _clear_grads(self) -> None:
+        pass
 
     def internals(self) -> dict[str, Any]:
         """DeepSpeed keeps reduced gradient partitions in its optimizer's attributes, not in `.grad`."""
         opt = self.wrapper.optimizer
         return {name: value for name, value in vars(opt).items()
                 if "grad" in name.lower() and isinstance(value, (torch.Tensor, list, dict, tuple))}
-
-    def model_states(self, x, y) -> dict[str, int]:
-        self.forward_backward(x, y)
-        after_backward = count_states(self.module, self.optimizer, self.internals())
-        self.wrapper.step()
-        after_step = count_states(self.module, self.optimizer, self.internals())
-        return {k: max(after_backward[k], after_step[k]) for k in after_backward}
 
 
 def ddp(module: nn.Module, **ddp_kwargs):
@@ -239,16 +240,8 @@ def deepspeed_engine(module: nn.Module, config: dict[str, Any], client=None):
 
 
 def _deepspeed(system: BenchSystem, module: nn.Module, micro_batch: int, bf16: bool) -> DeepSpeedRunner:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "gradient_clipping": 0.0,
-        "zero_optimization": system.zero_config(""),
-        "bf16": {"enabled": bf16},
-        "zero_allow_untested_optimizer": True,
-        "wall_clock_breakdown": False,
-    }
+    cfg = system.config(micro_batch, bf16={"enabled": bf16}, zero_allow_untested_optimizer=True,
+                        wall_clock_breakdown=False)
     client = None
     if system.offload:  # DeepSpeed's own host kernel, as its offload users get
         cfg["optimizer"] = AdamW.config()

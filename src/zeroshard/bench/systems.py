@@ -9,6 +9,7 @@ built by `bench.peers`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -50,6 +51,13 @@ class BenchSystem:
     def needs_scratch(self) -> bool:
         return "{dir}" in repr(self.zero)
 
+    def config(self, micro_batch: int, scratch: str = "", **extra: Any) -> dict[str, Any]:
+        """The DeepSpeed-style config this system runs (zeroshard's and DeepSpeed's): one micro-batch
+        per step, no gradient clipping, no step log, `extra` keys, then `zero_optimization`."""
+        return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+                "steps_per_print": 10**9, "gradient_clipping": 0.0, **extra,
+                "zero_optimization": self.zero_config(scratch)}
+
 
 def _zs(name: str, stage: int, description: str, default: bool = True, **zero) -> BenchSystem:
     return BenchSystem(name, "zeroshard", stage, description, zero, default)
@@ -84,30 +92,22 @@ SYSTEMS: dict[str, BenchSystem] = {s.name: s for s in (
 
 DEFAULT_SYSTEMS = tuple(name for name, s in SYSTEMS.items() if s.default)
 
-_problem_cache: dict[str, str | None] = {}
-
-
+@functools.cache
 def deepspeed_problem() -> str | None:
     """Why DeepSpeed cannot be imported here (with DS_ACCELERATOR=cpu), or None. Imported in a
     child process: importing it probes accelerators and must not touch this process."""
-    if "deepspeed" in _problem_cache:
-        return _problem_cache["deepspeed"]
-    problem = None
     if importlib.util.find_spec("deepspeed") is None:
-        problem = "the 'deepspeed' package is not installed (pip install deepspeed; it is never a zeroshard " \
-                  "dependency)"
-    else:
-        env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-        try:
-            p = subprocess.run([sys.executable, "-c", "import deepspeed"], env=env, capture_output=True,
-                               text=True, timeout=300)
-            if p.returncode != 0:
-                last = (p.stderr.strip().splitlines() or ["exit code %d" % p.returncode])[-1]
-                problem = f"'import deepspeed' fails here: {last}"
-        except subprocess.TimeoutExpired:
-            problem = "'import deepspeed' did not finish within 300 s"
-    _problem_cache["deepspeed"] = problem
-    return problem
+        return "the 'deepspeed' package is not installed (pip install deepspeed; it is never a zeroshard dependency)"
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    try:
+        p = subprocess.run([sys.executable, "-c", "import deepspeed"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    except subprocess.TimeoutExpired:
+        return "'import deepspeed' did not finish within 300 s"
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["exit code %d" % p.returncode])[-1]
+        return f"'import deepspeed' fails here: {last}"
+    return None
 
 
 def resolve_systems(spec: str | None) -> tuple[list[BenchSystem], list[str], str | None]:
