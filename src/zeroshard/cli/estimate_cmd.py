@@ -199,7 +199,7 @@ def all_candidates(shape, cluster, work, ratio: float | None = None):
 
 def describe(shape: ModelShape, cluster: Cluster, work: Workload) -> str:
     guess = " (layers/hidden inferred from the count)" if shape.shape_inferred else ""
-    frozen = (f" ({shape.frozen_params:,} frozen in {work_dtype(work)}, {shape.trainable_params:,} trainable)"
+    frozen = (f" ({shape.frozen_params:,} frozen in {work.precision.value}, {shape.trainable_params:,} trainable)"
               if shape.frozen_params else "")
     return (f"model {shape.params:,} params{frozen}, largest unit {shape.largest_unit:,}, {shape.layers} layers x "
             f"hidden {shape.hidden}{guess} {escape('[' + shape.source + ']')}\n"
@@ -210,10 +210,6 @@ def describe(shape: ModelShape, cluster: Cluster, work: Workload) -> str:
             f"{Strategy(precision=work.precision, optimizer=work.optimizer, optimizer_bytes=work.optimizer_bytes).k}"
             f" bytes/param), seq {work.seq}, micro-batch {work.micro_batch}, grad-accum "
             f"{work.gradient_accumulation_steps}")
-
-
-def work_dtype(work: Workload) -> str:
-    return work.precision.value
 
 
 def candidate_table(cands, title: str) -> Table:

@@ -34,7 +34,6 @@ def _size(n: int) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,19 +34,12 @@ def check_train_args(args: argparse.Namespace) -> str | None:
     from zeroshard.cli.train.resources import check_resource_log
 
     resolve_defaults(args)
-    if args.steps < 1:
-        return f"--steps must be at least 1, got {args.steps}"
-    if args.seq_len < 1:
-        return f"--seq-len must be at least 1, got {args.seq_len}"
-    if args.micro_batch is not None and args.micro_batch < 1:
-        return f"--micro-batch must be at least 1, got {args.micro_batch}"
-    if args.save_every < 1:
-        return f"--save-every must be at least 1, got {args.save_every}"
-    if args.keep_last is not None:
-        if args.keep_last < 1:
-            return f"--keep-last must be at least 1, got {args.keep_last}"
-        if not args.save:
-            return "--keep-last N prunes the checkpoints --save DIR writes: give --save"
+    for flag, value in (("--steps", args.steps), ("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch),
+                        ("--save-every", args.save_every), ("--keep-last", args.keep_last)):
+        if value is not None and value < 1:
+            return f"{flag} must be at least 1, got {value}"
+    if args.keep_last is not None and not args.save:
+        return "--keep-last N prunes the checkpoints --save DIR writes: give --save"
     if args.resume:
         if not args.save:
             return "--resume continues from --save DIR: give the checkpoint folder with --save"

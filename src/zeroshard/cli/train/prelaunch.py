@@ -23,11 +23,8 @@ __all__ = ["check_settings", "available_memory"]
 
 
 def check_settings(settings, spec: str, seq_len: int, local_ranks: int, world_size: int | None = None) -> str | None:
-    for check in (_check_optimizer, _check_nvme):
-        problem = check(settings)
-        if problem:
-            return problem
-    return (_check_nvme_space(settings, spec, local_ranks, world_size or local_ranks)
+    return (_check_optimizer(settings) or _check_nvme(settings)
+            or _check_nvme_space(settings, spec, local_ranks, world_size or local_ranks)
             or _check_batch_memory(settings, spec, seq_len, local_ranks))
 
 

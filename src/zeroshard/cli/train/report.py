@@ -92,16 +92,11 @@ def _plain_dp_optimizer(rec: RunRecord, mem: dict[str, int], optimizer_shards: i
     return states * optimizer_shards + (4 * rec.trainable if rec.itemsize < 4 else 0)
 
 
-def _plain_dp_bytes(rec: RunRecord, optimizer_bytes_total: int) -> int:
-    """What one rank of plain data parallelism holds: every parameter and every trainable
-    gradient in the compute dtype, and the whole optimizer state."""
-    return rec.itemsize * (rec.phi + rec.trainable) + optimizer_bytes_total
-
-
 def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shards: int) -> Table:
     mem = per_rank[0]
     held = sum(mem[k] for k in ("params", "grads", "optimizer_states"))
-    plain = _plain_dp_bytes(rec, _plain_dp_optimizer(rec, mem, optimizer_shards))
+    # plain DP holds every parameter and trainable gradient in the compute dtype, and the whole optimizer state
+    plain = rec.itemsize * (rec.phi + rec.trainable) + _plain_dp_optimizer(rec, mem, optimizer_shards)
     paper = paper_elements(rec.last_comm)
     losses = rec.losses
     k = max(1, min(10, len(losses) // 2))
