@@ -102,8 +102,7 @@ def read_shape(args) -> ModelShape:
 
 def with_adapters(shape: ModelShape, args) -> ModelShape:
     """--lora R / --trainable-params N: adapters added to the frozen base."""
-    lora, extra, targets = getattr(args, "lora", None), getattr(args, "trainable_params", None), \
-        getattr(args, "lora_targets", None)
+    lora, extra, targets = args.lora, args.trainable_params, args.lora_targets
     if targets is not None and lora is None:
         raise ConfigError("--lora-targets needs --lora R (the adapter rank)")
     if extra is not None:

@@ -41,15 +41,14 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.policies import ZeroShardError
 
     try:
-        report = inspect(args.ckpt, tag=args.tag, verify=not args.no_verify)
+        r = inspect(args.ckpt, tag=args.tag, verify=not args.no_verify)
     except ZeroShardError as exc:
         print(f"zeroshard inspect: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report, indent=1))
-        return 0 if report["ok"] else 1
+        print(json.dumps(r, indent=1))
+        return 0 if r["ok"] else 1
     console = Console(width=max(100, Console().width))
-    r = report
     console.print(f"[bold]{r['dir']}[/bold]  tag {r['tag']}: step {r['global_steps']} "
                   f"({r['skipped_steps']} skipped), {r['world_size']} rank(s), stage {r['stage']}, "
                   f"compute {r['compute_dtype']}, {r['optimizer']} ({', '.join(r['optimizer_states']) or 'no state'})"

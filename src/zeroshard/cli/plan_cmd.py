@@ -36,9 +36,7 @@ def run(args) -> int:
             json.dump(cfg, f, indent=2)
             f.write("\n")
     if args.json:
-        d = p.as_dict()
-        d["deepspeed_config"] = cfg
-        print(json.dumps(d, indent=2))
+        print(json.dumps({**p.as_dict(), "deepspeed_config": cfg}, indent=2))
         return 0
     con = Console(width=200)
     con.print(describe(shape, cluster, work))

@@ -23,12 +23,12 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["CHANNEL_ENV", "StopRequested", "die_with_parent", "finishing", "install", "report_error", "report_stop",
-           "set_where", "stop_code"]
+__all__ = ["CHANNEL_ENV", "STOP_SIGNALS", "StopRequested", "die_with_parent", "finishing", "install", "report_error",
+           "report_stop", "set_where", "stop_code"]
 
 CHANNEL_ENV = "ZEROSHARD_CHANNEL"
 GRACE_S = 5.0
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 _where: Callable[[], str] = lambda: ""
@@ -66,7 +66,7 @@ def install() -> None:
         os.set_blocking(write, False)
         signal.set_wakeup_fd(write)  # written by the C-level handler, even while Python is blocked
         threading.Thread(target=_watchdog, args=(read,), name="zeroshard-stop-watchdog", daemon=True).start()
-    for sig in _SIGNALS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _on_signal)
     die_with_parent()
 
@@ -84,7 +84,7 @@ def _watchdog(read: int) -> None:
             os._exit(stop_code(first))
         data = os.read(read, 64)
         for signum in data:
-            if signum not in _SIGNALS:
+            if signum not in STOP_SIGNALS:
                 continue
             if first is not None:
                 os._exit(stop_code(first))

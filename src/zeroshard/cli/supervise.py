@@ -35,7 +35,6 @@ __all__ = ["supervise"]
 
 KILL_AFTER_S = 20.0
 STRAGGLER_WAIT_S = 8.0
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def supervise(cmd: list[str], env: dict[str, str], command: str,
@@ -60,7 +59,7 @@ def supervise(cmd: list[str], env: dict[str, str], command: str,
         timer.daemon = True
         timer.start()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
+    previous = {sig: signal.signal(sig, on_signal) for sig in rank_guard.STOP_SIGNALS}
     try:
         code = proc.wait()
         _reap(channel)
@@ -119,21 +118,15 @@ def _verdict(code: int, got: list[int], channel: str, command: str,
 
 def _stopped_by_torchrun(exitcode: int) -> bool:
     """A rank torchrun stopped because another failed: killed by, or exiting on, a stop signal."""
-    stops = {int(s) for s in _SIGNALS}
+    stops = {int(s) for s in rank_guard.STOP_SIGNALS}
     return -exitcode in stops or exitcode - 128 in stops
 
 
 def _stop_line(command: str, signum: int, channel: str, describe_stop: Callable[[], str] | None) -> str:
-    parts = [f"stopped by {_signal_name(signum)}"]
     where = _read_text(channel, "stop")
-    if where:
-        parts[0] += f" {where}"
-    parts.append("every rank has exited")
-    if describe_stop is not None:
-        extra = describe_stop()
-        if extra:
-            parts.append(extra)
-    return f"{command}: " + "; ".join(parts)
+    extra = describe_stop() if describe_stop is not None else ""
+    parts = [f"stopped by {_signal_name(signum)}" + (f" {where}" if where else ""), "every rank has exited", extra]
+    return f"{command}: " + "; ".join(part for part in parts if part)
 
 
 def _signal_name(signum: int) -> str:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun installs its own handlers for these when the ranks start; keep ours (SIGQUIT stays its)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in rank_guard.STOP_SIGNALS:
             signal.signal(sig, _on_stop)
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -75,21 +75,17 @@ def _train(args: argparse.Namespace, console: Console) -> int:
 
 
 def _record(engine, tm: TrainModel) -> RunRecord:
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     params = {id(p): p for p in tm.module.parameters()}.values()
     ts = engine.train_state
-    rec = RunRecord(label=tm.label, stage=int(ts.settings.zero.stage), world=ts.world_size,
-                    backend=ts.comm.topology.backend, phi=sum(p.numel() for p in params),
-                    trainable=sum(p.numel() for p in params if p.requires_grad),
-                    itemsize=ts.compute_dtype.itemsize, skipped=0)
-    rec.tokens_per_step = micro * gas * engine.world_size  # times seq_len, set by the loop
-    return rec
+    return RunRecord(label=tm.label, stage=int(ts.settings.zero.stage), world=ts.world_size,
+                     backend=ts.comm.topology.backend, phi=sum(p.numel() for p in params),
+                     trainable=sum(p.numel() for p in params if p.requires_grad), itemsize=ts.compute_dtype.itemsize)
 
 
 def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, every: int, console,
           resources: ResourceLog) -> None:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    rec.tokens_per_step *= args.seq_len
+    rec.tokens_per_step = micro * gas * engine.world_size * args.seq_len
     progress = make_progress(console, args.steps, disable=engine.rank != 0)
     rank_guard.set_where(lambda: f"at step {rec.first_step + len(rec.losses)} of {args.steps}")
     killed_before = faults.kill_hook(engine.rank, restart_count())  # a no-op unless a test arms it
