@@ -78,18 +78,14 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike, world_size: int, 
     renames: dict[tuple, tuple] = {}
     try:
         data, notes = normalize(data, hidden_size, renames)
-    except ConfigError as exc:
-        raise type(exc)(f"{origin}: {exc}") from None
-    try:
         config = RootConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(to_config_error(RootConfig, exc, origin, renames)) from None
-    try:
         precision_policy(config)
         notes += check_support(config)
         batch, batch_notes = resolve_batch(
             config.train_batch_size, config.train_micro_batch_size_per_gpu,
             config.gradient_accumulation_steps, world_size)
+    except ValidationError as exc:
+        raise ConfigError(to_config_error(RootConfig, exc, origin, renames)) from None
     except ConfigError as exc:
         raise type(exc)(f"{origin}: {exc}") from None
     notes += batch_notes + build_notes(config) + ignored_notes(config)

@@ -116,10 +116,9 @@ def _zero_rewrites(data: dict, zero: dict, notes: list[str], renames: dict) -> N
         _rename(zero, old16, "gather_16bit_weights_on_model_save", "zero_optimization", renames)
         notes.append(f"zero_optimization.{old16} is deprecated; read as "
                      "zero_optimization.stage3_gather_16bit_weights_on_model_save")
-    if "cpu_offload" in zero:
-        _offload_flag(zero, "cpu_offload", "offload_optimizer", notes)
-    if "cpu_offload_param" in zero:
-        _offload_flag(zero, "cpu_offload_param", "offload_param", notes)
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if old in zero:
+            _offload_flag(zero, old, new, notes)
     if "cpu_offload_use_pin_memory" in zero:
         zero.pop("cpu_offload_use_pin_memory")
         notes.append("ignored: zero_optimization.cpu_offload_use_pin_memory (deprecated, DeepSpeed ignores it "
