@@ -34,16 +34,14 @@ def _memory(rows: dict, bf16: bool) -> dict[str, Any]:
     for name in stages:
         row = rows[name]
         mem = row["ledger"]["memory"][0]
-        world, phi, trainable = row["world_size"], row["phi"], row["ledger"]["trainable"]
-        formula = formula_bytes(int(name[2]), phi, trainable, world, bf16)
+        formula = formula_bytes(int(name[2]), row["phi"], row["ledger"]["trainable"], row["world_size"], bf16)
         figures[name] = {"formula_bytes": formula["model_states"], "at_rest_bytes": mem["model_states"],
                          "peak_bytes": mem["peak_model_states"], "ratio": mem["model_states"] / formula["model_states"],
                          "peak_rss_mib": row["peak_rss_mib"][0]}
         parts.append(f"stage {name[2]}: {_mib(mem['model_states'])} at rest against the formula's "
                      f"{_mib(formula['model_states'])} ({figures[name]['ratio']:.3f}x), "
                      f"{_mib(mem['peak_model_states'])} at the step's peak, peak RSS {row['peak_rss_mib'][0]:,.0f} MiB")
-    k = 12 if bf16 else 8
-    text = (f"Model states per rank on rank 0 (memory ledger; formula with K = {k}"
+    text = (f"Model states per rank on rank 0 (memory ledger; formula with K = {12 if bf16 else 8}"
             f"{' (fp32: the parameter shard is its own master)' if not bf16 else ''}, N = "
             f"{rows[stages[0]]['world_size']}): " + "; ".join(parts) + ". The peak adds the gradient buckets "
             "in flight (stage 2) or the gathered units (stage 3); peak RSS adds activations and the runtime, "
@@ -61,8 +59,7 @@ def _comm(rows: dict) -> dict[str, Any]:
     figures, parts = {}, []
     for name in stages:
         led = rows[name]["ledger"]
-        phi = rows[name]["phi"]
-        ops = {op: s["elements"] / phi for op, s in led["comm_per_step"].items()}
+        ops = {op: s["elements"] / rows[name]["phi"] for op, s in led["comm_per_step"].items()}
         figures[name] = {"phi_per_step": led["phi_per_step"], "paper_phi": stage_phi(int(name[2])),
                          "sent_bytes_per_step": led["sent_bytes_per_step"], "ops_phi": ops}
         detail = " + ".join(f"{op} {v:.3f}" for op, v in ops.items() if v >= 1e-3)
@@ -143,9 +140,8 @@ def _overlap(rows: dict) -> dict[str, Any]:
                          "peak_rss_mib": row["peak_rss_mib"][0]}
         parts.append(f"{key} off: {r:.3f}x the step time, gradients and buffers peak at {_mib(_grad_peak(row))}, "
                      f"peak RSS {row['peak_rss_mib'][0]:,.0f} vs {base['peak_rss_mib'][0]:,.0f} MiB")
-    extra = {name: (f["peak_grad_bytes"] - figures["zs2"]["peak_grad_bytes"]) / grad_full
-             for name, f in figures.items() if name != "zs2"}
-    said = [f"turning {key} off changes the gradient peak by {extra[name]:+.2f} full gradients"
+    said = [f"turning {key} off changes the gradient peak by "
+            f"{(figures[name]['peak_grad_bytes'] - _grad_peak(base)) / grad_full:+.2f} full gradients"
             for name, key in variants]
     text = ("Measured (memory ledger, rank 0): " + "; ".join(parts) + ". So " + "; ".join(said) + ", against the "
             "explainer's 1-2 extra full gradients for overlap_comm and one for contiguous_gradients.")
