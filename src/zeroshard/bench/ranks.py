@@ -111,8 +111,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
             if time.monotonic() >= deadline:
                 missing = sorted(set(range(world_size)) - set(results) - set(failures))
                 if failures and not allow_failures:
-                    failures.update({r: f"killed: no result {grace:.0f}s after a peer failed"
-                                     for r in missing})
+                    failures.update({r: f"killed: no result {grace:.0f}s after a peer failed" for r in missing})
                     break
                 raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)")
     finally:

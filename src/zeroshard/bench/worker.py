@@ -75,8 +75,7 @@ def _runner(job: dict, tm):
     topology = setup_topology(TIMEOUT_S)  # the default group every peer runs on
     from zeroshard.bench.peers import build_peer
 
-    return build_peer(system, tm.module, tm.unit_classes, job["micro_batch"], job["bf16"], topology.device), \
-        topology
+    return build_peer(system, tm.module, tm.unit_classes, job["micro_batch"], job["bf16"], topology.device), topology
 
 
 def _measure(job: dict) -> tuple[dict, object]:

@@ -98,8 +98,7 @@ class _Restarts(logging.Filter):
             elif "attempts left" in str(record.msg) and "will restart worker group" in str(record.msg):
                 left, total = int(record.args[2]), int(record.args[3])
                 code, rank = self.failure or (0, -1)
-                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-                       else f"exited with status {code}")
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
                 print(f"zeroshard: local rank {rank} {how}; torchrun restarts every rank (restart {total - left + 1} "
                       f"of {total})", file=sys.stderr, flush=True)
         except (TypeError, ValueError, IndexError):

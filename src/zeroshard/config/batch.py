@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from zeroshard.policies import BatchPolicy, ConfigError
 
-_RULE = ("train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps "
-         "x world_size")
+_RULE = "train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x world_size"
 
 
 def _divide(total: int, divisor: int, what: str, numbers: str) -> int:

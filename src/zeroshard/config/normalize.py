@@ -62,8 +62,7 @@ def _refuse_non_string_keys(node: Any, path: str = "") -> None:
         for key, value in node.items():
             if not isinstance(key, str):
                 where = f"in {path}" if path else "at top level"
-                raise ConfigError(f"key {key!r} {where} is not a string; "
-                                  "keys must be strings")
+                raise ConfigError(f"key {key!r} {where} is not a string; keys must be strings")
             _refuse_non_string_keys(value, f"{path}.{key}" if path else key)
     elif isinstance(node, (list, tuple)):
         for i, value in enumerate(node):

@@ -84,7 +84,6 @@ def lower_bound_params(shape: dict[str, int]) -> int:
     return 12 * shape["layers"] * shape["hidden"] ** 2 + shape["vocab"] * shape["hidden"]
 
 
-
 def available_memory() -> int | None:
     """Bytes the kernel says a new allocation can use (MemAvailable), or None off Linux."""
     try:
