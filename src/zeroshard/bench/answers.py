@@ -20,7 +20,6 @@ def _mib(b: float) -> str:
 
 
 def _missing(names: list[str]) -> dict:
-    """The answer to a question whose systems were not all run."""
     return {"answer": f"not measured in this run: add --systems {','.join(names)}", "figures": {}}
 
 

@@ -44,21 +44,22 @@ class TrainModel:
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def _preset(spec: str) -> str | None:
+def _resolve(spec: str):
+    """(its transformers config, None) for hf:PATH, (None, the preset's name) for a GPT preset;
+    ModelSpecError for anything else."""
+    if spec.startswith("hf:"):
+        return load_causal_lm_config(spec[3:]), None
     name = spec[4:] if spec.startswith("gpt-") else spec
-    return name if name in GPT_PRESETS else None
+    if name not in GPT_PRESETS:
+        raise ModelSpecError(f"--model {spec}: unknown; choose {model_choices()}")
+    return None, name
 
 
 def check_model(spec: str, seq_len: int, lora: int) -> str | None:
     """A one-line problem with `--model`/`--seq-len`/`--lora`, or None (no weights built)."""
     try:
-        if spec.startswith("hf:"):
-            config = load_causal_lm_config(spec[3:])
-            context = context_length(config)
-        elif _preset(spec):
-            context = GPT_PRESETS[_preset(spec)].block_size
-        else:
-            return f"--model {spec}: unknown; choose {model_choices()}"
+        config, preset = _resolve(spec)
+        context = context_length(config) if preset is None else GPT_PRESETS[preset].block_size
         if lora is not None:
             if lora < 1:
                 return (f"--lora {lora}: the adapter rank must be at least 1 (leave out --lora to train every "
@@ -77,17 +78,15 @@ def check_model(spec: str, seq_len: int, lora: int) -> str | None:
 def model_shape(spec: str) -> dict[str, int] | None:
     """hidden, heads, layers, vocab and context of the model `spec` names (no weights built), or None."""
     try:
-        if spec.startswith("hf:"):
-            c = load_causal_lm_config(spec[3:])
+        c, preset = _resolve(spec)
+        if preset is None:
             values = {"hidden": getattr(c, "hidden_size", None), "heads": getattr(c, "num_attention_heads", None),
                       "layers": getattr(c, "num_hidden_layers", None), "vocab": getattr(c, "vocab_size", None),
                       "context": context_length(c)}
-        elif _preset(spec):
-            c = GPT_PRESETS[_preset(spec)]
+        else:
+            c = GPT_PRESETS[preset]
             values = {"hidden": c.n_embd, "heads": c.n_head, "layers": c.n_layer, "vocab": c.vocab_size,
                       "context": c.block_size}
-        else:
-            return None
     except ModelSpecError:
         return None
     return values if all(isinstance(values[k], int) for k in ("hidden", "heads", "layers", "vocab")) else None
@@ -102,16 +101,13 @@ def default_seq_len(spec: str, wanted: int = 64) -> int:
 
 def build_model(spec: str, lora: int = 0) -> TrainModel:
     """The model `spec` names, with LoRA adapters when `lora` > 0 (weights from torch's RNG)."""
-    if spec.startswith("hf:"):
-        config = load_causal_lm_config(spec[3:])
+    config, preset = _resolve(spec)
+    if preset is None:
         module = build_causal_lm(config)
         label = f"{type(module).__name__} ({spec})"
         vocab, context, is_hf = config.vocab_size, context_length(config), True
         targets = None
     else:
-        preset = _preset(spec)
-        if preset is None:
-            raise ModelSpecError(f"--model {spec}: unknown; choose {model_choices()}")
         module = build_gpt(preset)
         label, vocab, context, is_hf = f"GPT {preset}", module.config.vocab_size, module.config.block_size, False
         targets = GPT_LORA_TARGETS
