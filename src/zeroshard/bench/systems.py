@@ -36,8 +36,7 @@ class BenchSystem:
     @property
     def offload(self) -> str | None:
         """The tier the optimizer states live on, when not the device."""
-        opt = self.zero.get("offload_optimizer") or {}
-        return opt.get("device")
+        return (self.zero.get("offload_optimizer") or {}).get("device")
 
     def zero_config(self, scratch: str) -> dict[str, Any]:
         """`zero_optimization` for this system, `{dir}` placeholders filled with `scratch`."""

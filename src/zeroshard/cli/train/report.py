@@ -97,7 +97,6 @@ def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shar
     held = sum(mem[k] for k in ("params", "grads", "optimizer_states"))
     # plain DP holds every parameter and trainable gradient in the compute dtype, and the whole optimizer state
     plain = rec.itemsize * (rec.phi + rec.trainable) + _plain_dp_optimizer(rec, mem, optimizer_shards)
-    paper = paper_elements(rec.last_comm)
     losses = rec.losses
     k = max(1, min(10, len(losses) // 2))
     table = Table(title="zeroshard train: summary", show_header=False)
@@ -111,7 +110,7 @@ def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shar
                       f"optimizer {mem['optimizer_states'] / MiB:.2f} MiB"),
         ("  by tier", ", ".join(f"{t} {mem.get('tier_' + t, 0) / MiB:.2f} MiB" for t in ("device", "host", "nvme")
                                 if mem.get("tier_" + t) or t == "device")),
-        ("communication per step", f"{paper / rec.phi:.3f} x Phi (paper units) vs plain DP "
+        ("communication per step", f"{paper_elements(rec.last_comm) / rec.phi:.3f} x Phi (paper units) vs plain DP "
                                    f"{2 * rec.trainable / rec.phi:.3f} x Phi"),
         ("throughput", f"{rec.steps_run * rec.tokens_per_step / max(rec.seconds, 1e-9):,.0f} tokens/s, "
                        f"{rec.seconds:.1f} s for {rec.steps_run} steps"),
