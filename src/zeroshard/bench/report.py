@@ -45,8 +45,7 @@ def _tiers(row: dict) -> str:
 
 def system_table(run: dict[str, Any]) -> Table:
     rows, ratios, loss = run["rows"], run["ratios"], run["loss_max_abs_diff_vs_ddp"]
-    phi = run["phi"] or 0
-    table = Table(title=f"zeroshard bench: {run['model']} (Phi = {phi:,})", title_justify="left")
+    table = Table(title=f"zeroshard bench: {run['model']} (Phi = {run['phi'] or 0:,})", title_justify="left")
     for col in ("system", "step s median (min-max)", "x DDP", "tokens/s", "peak RSS MiB per rank",
                 "model states MiB r0 P/G/O", "tiers MiB dev/host/nvme", "comm Phi/step", "sent MiB/step",
                 "|loss-DDP| max"):

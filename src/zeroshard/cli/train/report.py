@@ -154,8 +154,7 @@ def write_report(path: str, rec: RunRecord, per_rank: list[dict[str, int]], opti
     ax_mem.set(ylabel="MiB", title=f"model states per rank (ZeRO stage {rec.stage}, {rec.world} ranks)")
     ax_mem.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
     fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
