@@ -140,8 +140,7 @@ class MemoryEstimate:
 
     @property
     def host_per_rank(self) -> int:
-        return (self.host_params + self.host_grads + self.host_optimizer_states + self.host_buffers
-                + self.host_activations)
+        return self.host_at_rest + self.host_buffers + self.host_activations
 
     @property
     def device_at_rest(self) -> int:
@@ -258,8 +257,7 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         # hpZ keeps a second copy of the parameters, sharded only within the node group.
         hpz = pb * shard(phi, s.hpz_partition_size)
 
-    live = 0
-    buffers = 0
+    live = buffers = 0
     if st == Stage.PARAMETERS:
         # The unit being computed plus the one being prefetched, capped as DeepSpeed caps them.
         unit = shape.largest_unit
@@ -300,8 +298,7 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
                          f"{s.activation_buffer_count} host staging buffer(s) of one layer's input")
 
     return MemoryEstimate(params=params, grads=grads, optimizer_states=opt, hpz_secondary=hpz,
-                          live_params=live, buffers=buffers,
-                          activations=device_act,
+                          live_params=live, buffers=buffers, activations=device_act,
                           nvme_per_rank=nvme, gpus_per_node=gpus_per_node, notes=tuple(notes),
                           host_params=host_params, host_grads=host_grads, host_optimizer_states=host_opt,
                           host_buffers=host_buf, host_activations=host_act, nvme_activations=nvme_act)
