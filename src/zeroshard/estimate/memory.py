@@ -276,7 +276,7 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
             notes.append("parameter shards on NVMe, fetched through pinned host buffers")
         notes.append("stage 3: small parameters kept whole (param_persistence_threshold) not counted")
     else:
-        buffers = _stage012_buffers(s, phi_t, n, full, own, layout)
+        buffers = _stage012_buffers(s, phi_t, full, own, layout)
 
     device_act = activations.total if activations else 0
     host_act = nvme_act = 0
@@ -309,7 +309,7 @@ def engine_sub_group(s: Strategy) -> int:
     return min(s.sub_group_size, s.reduce_bucket_size)
 
 
-def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout: BucketPlan | None) -> int:
+def _stage012_buffers(s: Strategy, phi: int, full: int, own: int, layout: BucketPlan | None) -> int:
     """Transient device bytes beyond the model states at stages 0-2 (see the module doc)."""
     st, gb = s.stage, s.grad_bytes
     largest = layout.largest_padded if layout is not None else min(s.reduce_bucket_size, phi)
@@ -318,11 +318,11 @@ def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout
         # overlap off: every full bucket exists at the end of backward, before the reductions
         backward = gb * (min(full, STAGE2_BUCKETS_IN_FLIGHT * largest) if s.overlap_comm else full)
     step = 0
-    if s.offload_optimizer == OffloadDevice.NONE or s.offload_ratio < 1.0:  # a device share steps here
-        if s.grad_bytes != FP32_BYTES:  # 16-bit gradient shards are upcast one sub-group at a time
-            shards = layout.shards if layout is not None else None
-            held = own if st >= Stage.OPTIMIZER_STATES else full  # stage 0 steps the whole gradient
-            upcast = max(sub_group_sums(shards, s.sub_group_size)) if shards else min(s.sub_group_size, held)
-            step += FP32_BYTES * upcast
+    # where a device share steps, 16-bit gradient shards are upcast one sub-group at a time
+    if (s.offload_optimizer == OffloadDevice.NONE or s.offload_ratio < 1.0) and gb != FP32_BYTES:
+        shards = layout.shards if layout is not None else None
+        held = own if st >= Stage.OPTIMIZER_STATES else full  # stage 0 steps the whole gradient
+        upcast = max(sub_group_sums(shards, s.sub_group_size)) if shards else min(s.sub_group_size, held)
+        step = FP32_BYTES * upcast
     # publishing (stages 1/2) gathers every bucket straight into place, chunked or not: no buffer
     return max(backward, step)

@@ -250,7 +250,7 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
     p.route.append(f"winner: {winner.label()}, {winner.memory.device_total / GIB:.1f} GiB per device, "
                    f"{winner.time.step:.2f} s per step")
     p.candidates += later  # for comparison in the table
-    # The other fitting candidates of the route, for the table (as before).
+    # The other fitting candidates of the route, for the table.
     for tier in tiers:
         for st in tier:
             c = evaluate(shape, st, cluster, work)
