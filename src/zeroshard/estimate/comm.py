@@ -129,8 +129,7 @@ class CommEstimate:
 def ring_split(payload: float, nodes: int, per_node: int) -> tuple[int, int]:
     """(intra, inter) bytes one rank sends in a two-level all-gather or reduce-scatter
     of `payload` bytes over `nodes` x `per_node` ranks."""
-    n = nodes * per_node
-    inter = payload * (nodes - 1) / n
+    inter = payload * (nodes - 1) / (nodes * per_node)
     intra = payload * (per_node - 1) / per_node
     return int(round(intra)), int(round(inter))
 

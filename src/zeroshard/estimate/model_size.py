@@ -268,7 +268,7 @@ def shape_from_callable(spec: str, layers: int | None = None, hidden: int | None
     if params == 0:
         raise ConfigError(f"{spec!r} built a module with no parameters")
     cfg = getattr(model, "config", None)
-    get = (lambda k: getattr(cfg, k, None)) if cfg is not None else (lambda k: None)
+    get = lambda k: getattr(cfg, k, None)  # None for every key without a config
     hidden = hidden or get("n_embd") or get("hidden_size")
     layers = layers or get("n_layer") or get("num_hidden_layers")
     heads = heads or get("n_head") or get("num_attention_heads")
