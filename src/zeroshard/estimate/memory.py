@@ -252,10 +252,8 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         notes.append("optimizer states and fp32 gradients on NVMe, stepped in sub-groups through pinned host buffers")
         opt = 0
 
-    hpz = 0
-    if st == Stage.PARAMETERS and s.hpz_partition_size > 1:
-        # hpZ keeps a second copy of the parameters, sharded only within the node group.
-        hpz = pb * shard(phi, s.hpz_partition_size)
+    # hpZ keeps a second copy of the parameters, sharded only within the node group.
+    hpz = pb * shard(phi, s.hpz_partition_size) if st == Stage.PARAMETERS and s.hpz_partition_size > 1 else 0
 
     live = buffers = 0
     if st == Stage.PARAMETERS:
@@ -268,7 +266,7 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         if s.offload_param == OffloadDevice.CPU:
             host_params, params = params, 0
             if not s.host_is_device:  # gather_input: a device copy of the unit's shard, fetched from the host
-                buffers += pb * shard(shape.largest_unit, n)
+                buffers += pb * shard(unit, n)
         elif s.offload_param == OffloadDevice.NVME:
             nvme += params
             host_buf += s.param_buffer_count * pb * min(s.param_buffer_size, own + frozen_held)
