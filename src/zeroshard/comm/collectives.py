@@ -96,7 +96,7 @@ class Comm:
         self.timeout_s = timeout_s
         self.on_group = group if group is not None else topology.world
         self._root = root
-        self.pool = pool  # a BufferPool for gloo's receive buffers (the root comm's; None: fresh ones)
+        self.pool = pool  # a BufferPool for transient buffers, the root comm's (`on` passes it on); None: fresh ones
         self._sequence: dict[tuple, int] = {}  # direct collectives issued per group (root comm only)
         self._where = "start-up"  # set by the engine: "step 12, backward", ...
 
@@ -114,18 +114,18 @@ class Comm:
     def scratch(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A transient 1-D buffer from the root comm's BufferPool (partition.buffer_pool; a
         fresh one without a pool); hand it back with `give_back` once its values are used."""
-        pool = self._root.pool if self._root is not None else self.pool
-        return pool.empty(numel, dtype, device) if pool is not None else torch.empty(numel, dtype=dtype, device=device)
+        if self.pool is not None:
+            return self.pool.empty(numel, dtype, device)
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def give_back(self, *buffers: torch.Tensor) -> None:
-        pool = self._root.pool if self._root is not None else self.pool
-        if pool is not None:
+        if self.pool is not None:
             for t in buffers:
-                pool.give(t)
+                self.pool.give(t)
 
     def on(self, group: Group) -> "Comm":
         """The same collectives, ledger and timeout on `group`."""
-        return Comm(self.topology, self.ledger, self.timeout_s, group, root=self._root or self)
+        return Comm(self.topology, self.ledger, self.timeout_s, group, root=self._root or self, pool=self.pool)
 
     @property
     def world_size(self) -> int:
@@ -155,9 +155,7 @@ class Comm:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         timed_out = "timeout" in text.lower() or "timed out" in text.lower()
         cls = CommTimeoutError if timed_out else CommError
-        hint = (
-            f"did not finish within {self.timeout_s:g}s" if timed_out else "failed"
-        )
+        hint = f"did not finish within {self.timeout_s:g}s" if timed_out else "failed"
         on = "" if self.on_group.name == "world" else f" on the {self.on_group.name} group {list(self.on_group.ranks)}"
         return cls(
             f"rank {self.topology.rank}/{self.topology.world_size}: {what}{on} during {self.where} {hint} ({text}). "

@@ -66,9 +66,7 @@ class CommLedger:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._totals = {op: OpTotals() for op in COLLECTIVES}
-
-        self._scoped = {scope: {op: OpTotals() for op in COLLECTIVES} for scope in SCOPES}
+        self.reset()
 
     def record(self, op: str, dtype: torch.dtype, elements: int, world_size: int | None = None,
                scope: str = INTER_NODE, wire_bytes: int | None = None) -> "_Both":

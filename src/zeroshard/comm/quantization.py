@@ -90,11 +90,14 @@ def _dequantize_chunk(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, 
         out.copy_(work.block_view(*q.shape).copy_(q).mul_(scales.unsqueeze(1)))  # fp32, rounded once
 
 
-def _chunks(count: int, size: int) -> tuple[int, range]:
+def _chunks(blocks: Blocks) -> tuple[int, int, list[tuple[int, int]]]:
     """Blocks per chunk (CHUNK_ELEMENTS per torch thread: each thread's share stays in its core's
-    cache, and fewer, larger ops mean fewer of the threads' joins) and the chunks' first blocks."""
+    cache, and fewer, larger ops mean fewer of the threads' joins), the blocks without padding
+    (all but a padded last one) and the chunks of those, as (first, end) block indices."""
+    count, size = blocks.count, blocks.size
     per = max(1, min(count, CHUNK_ELEMENTS * max(1, torch.get_num_threads()) // size))
-    return per, range(0, count, per)
+    full = count if blocks.padded == blocks.n else count - 1
+    return per, full, [(lo, min(full, lo + per)) for lo in range(0, full, per)]
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -165,15 +168,12 @@ def quantize_torch(x: torch.Tensor, blocks: Blocks,
     else:
         scales = torch.empty(r, count, dtype=torch.float32, device=x.device)
         values = torch.empty(r, blocks.padded, dtype=torch.int8, device=x.device)  # int4: unpacked first
-    per, starts = _chunks(count, size)
+    per, full, spans = _chunks(blocks)
     work, qmax = _Work.get(per, size, x.device), _QMAX[blocks.bits]
-    full = count if blocks.padded == n else count - 1  # blocks with no padding
     for i in range(r):
         v, qv = rows[i, : full * size].view(full, size), values[i, : full * size].view(full, size)
-        for lo in starts:
-            hi = min(full, lo + per)
-            if lo < hi:
-                _quantize_chunk(v[lo:hi], qmax, scales[i, lo:hi], qv[lo:hi], work)
+        for lo, hi in spans:
+            _quantize_chunk(v[lo:hi], qmax, scales[i, lo:hi], qv[lo:hi], work)
         if full < count:  # the last block, padded with zeros (fp32: exact for bf16 and fp32)
             tail = torch.zeros(1, size, dtype=torch.float32, device=x.device)
             tail[0, : n - full * size] = rows[i, full * size :]
@@ -207,15 +207,12 @@ def dequantize_torch(payload: torch.Tensor, scales: torch.Tensor, blocks: Blocks
         else:
             q = torch.stack([u & 15, u >> 4], dim=2).view(torch.int8)
         q = q.view(r, blocks.padded).sub_(8)
-    per, starts = _chunks(count, size)
+    per, full, spans = _chunks(blocks)
     work = _Work.get(per, size, payload.device) if out.dtype != torch.float32 else None
-    full = count if blocks.padded == n else count - 1
     for i in range(r):
         o, qi = out[i, : full * size].view(full, size), q[i, : full * size].view(full, size)
-        for lo in starts:
-            hi = min(full, lo + per)
-            if lo < hi:
-                _dequantize_chunk(qi[lo:hi], scales[i, lo:hi], o[lo:hi], work)
+        for lo, hi in spans:
+            _dequantize_chunk(qi[lo:hi], scales[i, lo:hi], o[lo:hi], work)
         if full < count:
             out[i, full * size :] = q[i, full * size : n].float().mul_(scales[i, full:])
     return out

@@ -24,8 +24,8 @@ No FMA contraction, no fast-math. Not -march=native (a cache directory may be sh
 different CPUs): with GCC on x86-64 Linux each entry point is built for x86-64-v4 (AVX-512), -v3,
 -v2 and the baseline, and the loader picks the one this CPU runs (`target_clones`); elsewhere
 the baseline. Quantize prefetches the next block while it reads one (its absmax pass otherwise
-waits on memory: bf16 q+dq 0.40-0.51 -> 0.52-0.68 of a copy, bench/RESULTS.md). One thread per
-call (each rank quantizes its own buckets; ranks run one torch thread here).
+waits on memory; bench/RESULTS.md). One thread per call (each rank quantizes its own buckets;
+ranks run one torch thread here).
 """
 
 from __future__ import annotations
@@ -226,16 +226,8 @@ _state: dict[str, object] = {}
 
 
 def cache_dir() -> str:
-    base = os.environ.get("ZEROSHARD_CACHE_DIR")
-    if not base:
-        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                            "zeroshard")
-    return base
-
-
-def _compiler() -> list[str]:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return cc.split()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("ZEROSHARD_CACHE_DIR") or os.path.join(xdg, "zeroshard")
 
 
 def _compile(cc: list[str], lib: str) -> str | None:
@@ -259,7 +251,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         return None, f"disabled by {ENV_SWITCH}=0"
     if sys.byteorder != "little" or not (sys.platform.startswith("linux") or sys.platform == "darwin"):
         return None, f"no native build on {sys.platform} ({sys.byteorder}-endian)"
-    cc = _compiler()
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
     try:
         version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:

@@ -81,7 +81,7 @@ class Topology:
 
     @property
     def node(self) -> int:
-        return self.rank // self.local_world_size
+        return self.node_of(self.rank)
 
     def node_of(self, rank: int) -> int:
         return rank // self.local_world_size
@@ -220,8 +220,7 @@ def setup_topology(timeout_s: float) -> Topology:
                 "launch with `torchrun` (or `zeroshard launch`), which sets all of them."
             )
         if missing:
-            device = _device_for(local_rank, "none")
-            return Topology(0, 1, 0, 1, device, "none", False)
+            return Topology(0, 1, 0, 1, _device_for(local_rank, "none"), "none", False)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         device = _device_for(local_rank, backend)
         kwargs = {"device_id": device} if backend == "nccl" else {}

@@ -12,7 +12,7 @@ from zeroshard.policies import ConfigError, Precision
 
 __all__ = [
     "GB", "GIB", "BYTES_PER_ELEMENT", "INT8_BYTES", "INT4_BYTES", "FP32_BYTES",
-    "bytes_of", "parse_count", "parse_bytes", "fmt_bytes", "fmt_count",
+    "bytes_of", "parse_count", "parse_bytes",
 ]
 
 GB = 10**9  # the ZeRO paper's and DeepSpeed docs' "GB" in prose is decimal
@@ -76,15 +76,3 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
     if suffix not in _BYTE_SUFFIX:
         raise ConfigError(f"unknown unit {suffix!r} in {what} {text!r}; use GB, GiB, TB, TiB, ...")
     return int(round(value * _BYTE_SUFFIX[suffix]))
-
-
-def fmt_bytes(n: float, unit: int = GIB) -> str:
-    name = {GIB: "GiB", GB: "GB"}[unit]
-    return f"{n / unit:,.2f} {name}"
-
-
-def fmt_count(n: float) -> str:
-    for div, s in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if abs(n) >= div:
-            return f"{n / div:.2f}{s}"
-    return f"{n:.0f}"

@@ -129,8 +129,7 @@ class CommEstimate:
 def ring_split(payload: float, nodes: int, per_node: int) -> tuple[int, int]:
     """(intra, inter) bytes one rank sends in a two-level all-gather or reduce-scatter
     of `payload` bytes over `nodes` x `per_node` ranks."""
-    n = nodes * per_node
-    inter = payload * (nodes - 1) / n
+    inter = payload * (nodes - 1) / (nodes * per_node)
     intra = payload * (per_node - 1) / per_node
     return int(round(intra)), int(round(inter))
 
@@ -204,19 +203,15 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
         qwz_bytes = sum(_quantized_bytes(b, QWZ_BITS, n) for b in gathered_buckets)
         qwz_codec = pb * sum(b // n + b for b in gathered_buckets)  # quantize the shard, dequantize the whole
         n_units = len(gathered_buckets) if layout is not None else 1
-        if s.quantized_weights:
-            add("forward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered, qwz_bytes, True,
-                dtype_="int8", launches=n_units, codec=qwz_codec)
-        else:
-            add("forward", "all_gather", "parameters", gas, gathered, pb * gathered, True, launches=n_units)
-        if hp > 1:
-            add("backward", "all_gather", f"parameters (hpZ, within {hp} ranks)", gas, gathered,
-                pb * gathered, True, group_nodes=1, group_per_node=hp, scope="node", launches=n_units)
-        elif s.quantized_weights:
-            add("backward", "all_gather", "parameters (qwZ int8 + scales)", gas, gathered, qwz_bytes, True,
-                dtype_="int8", launches=n_units, codec=qwz_codec)
-        else:
-            add("backward", "all_gather", "parameters", gas, gathered, pb * gathered, True, launches=n_units)
+        for phase in ("forward", "backward"):
+            if phase == "backward" and hp > 1:
+                add(phase, "all_gather", f"parameters (hpZ, within {hp} ranks)", gas, gathered,
+                    pb * gathered, True, group_nodes=1, group_per_node=hp, scope="node", launches=n_units)
+            elif s.quantized_weights:
+                add(phase, "all_gather", "parameters (qwZ int8 + scales)", gas, gathered, qwz_bytes, True,
+                    dtype_="int8", launches=n_units, codec=qwz_codec)
+            else:
+                add(phase, "all_gather", "parameters", gas, gathered, pb * gathered, True, launches=n_units)
         if s.quantized_gradients and n > 1:
             # hop 1: all-to-all inside the node of the full gradient (k parts of P/k), int4 + scales;
             # hop 2: all-to-all across nodes of the node-reduced 1/k slice (M rows of P/N).

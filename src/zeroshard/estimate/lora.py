@@ -164,13 +164,12 @@ def lora_from_module(model, r: int, targets: list[str] | None = None) -> LoraCou
 
 def lora_from_hf_config(cfg: dict, r: int, targets: list[str] | None = None) -> LoraCount:
     mt = cfg.get("model_type")
-    try:
-        if mt in ("llama", "mistral", "qwen2"):
-            return _count(_llama_modules(cfg), r, targets, mt, "analytic count of the config")
-        if mt == "gpt2":
-            return _count(_gpt2_modules(cfg), r, targets, mt, "analytic count of the config")
-    except KeyError as e:
-        raise ConfigError(f"model config (model_type {mt!r}) lacks the key {e.args[0]!r}") from None
+    if mt in ("llama", "mistral", "qwen2", "gpt2"):
+        try:
+            modules = _gpt2_modules(cfg) if mt == "gpt2" else _llama_modules(cfg)
+        except KeyError as e:
+            raise ConfigError(f"model config (model_type {mt!r}) lacks the key {e.args[0]!r}") from None
+        return _count(modules, r, targets, mt, "analytic count of the config")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -181,11 +180,9 @@ def lora_from_hf_config(cfg: dict, r: int, targets: list[str] | None = None) -> 
 
 def lora_from_shape(shape: ModelShape, r: int, targets: list[str] | None = None) -> LoraCount:
     """A bare count: a llama-style decoder of `shape` (MHA, h x h projections, MLP 3 x h x 8h/3)."""
-    h, L = shape.hidden, shape.layers
-    cfg = {"model_type": "llama", "hidden_size": h, "num_hidden_layers": L, "num_attention_heads": shape.heads,
-           "intermediate_size": (8 * h) // 3, "vocab_size": shape.vocab}
-    c = _count(_llama_modules(cfg), r, targets, "llama", "llama-style modules assumed for a bare count")
-    return c
+    cfg = {"model_type": "llama", "hidden_size": shape.hidden, "num_hidden_layers": shape.layers,
+           "num_attention_heads": shape.heads, "intermediate_size": (8 * shape.hidden) // 3, "vocab_size": shape.vocab}
+    return _count(_llama_modules(cfg), r, targets, "llama", "llama-style modules assumed for a bare count")
 
 
 def add_adapters(shape: ModelShape, adapters: int, note: str) -> ModelShape:

@@ -140,8 +140,7 @@ class MemoryEstimate:
 
     @property
     def host_per_rank(self) -> int:
-        return (self.host_params + self.host_grads + self.host_optimizer_states + self.host_buffers
-                + self.host_activations)
+        return self.host_at_rest + self.host_buffers + self.host_activations
 
     @property
     def device_at_rest(self) -> int:
@@ -253,13 +252,10 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         notes.append("optimizer states and fp32 gradients on NVMe, stepped in sub-groups through pinned host buffers")
         opt = 0
 
-    hpz = 0
-    if st == Stage.PARAMETERS and s.hpz_partition_size > 1:
-        # hpZ keeps a second copy of the parameters, sharded only within the node group.
-        hpz = pb * shard(phi, s.hpz_partition_size)
+    # hpZ keeps a second copy of the parameters, sharded only within the node group.
+    hpz = pb * shard(phi, s.hpz_partition_size) if st == Stage.PARAMETERS and s.hpz_partition_size > 1 else 0
 
-    live = 0
-    buffers = 0
+    live = buffers = 0
     if st == Stage.PARAMETERS:
         # The unit being computed plus the one being prefetched, capped as DeepSpeed caps them.
         unit = shape.largest_unit
@@ -270,7 +266,7 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
         if s.offload_param == OffloadDevice.CPU:
             host_params, params = params, 0
             if not s.host_is_device:  # gather_input: a device copy of the unit's shard, fetched from the host
-                buffers += pb * shard(shape.largest_unit, n)
+                buffers += pb * shard(unit, n)
         elif s.offload_param == OffloadDevice.NVME:
             nvme += params
             host_buf += s.param_buffer_count * pb * min(s.param_buffer_size, own + frozen_held)
@@ -278,7 +274,7 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
             notes.append("parameter shards on NVMe, fetched through pinned host buffers")
         notes.append("stage 3: small parameters kept whole (param_persistence_threshold) not counted")
     else:
-        buffers = _stage012_buffers(s, phi_t, n, full, own, layout)
+        buffers = _stage012_buffers(s, phi_t, full, own, layout)
 
     device_act = activations.total if activations else 0
     host_act = nvme_act = 0
@@ -300,8 +296,7 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
                          f"{s.activation_buffer_count} host staging buffer(s) of one layer's input")
 
     return MemoryEstimate(params=params, grads=grads, optimizer_states=opt, hpz_secondary=hpz,
-                          live_params=live, buffers=buffers,
-                          activations=device_act,
+                          live_params=live, buffers=buffers, activations=device_act,
                           nvme_per_rank=nvme, gpus_per_node=gpus_per_node, notes=tuple(notes),
                           host_params=host_params, host_grads=host_grads, host_optimizer_states=host_opt,
                           host_buffers=host_buf, host_activations=host_act, nvme_activations=nvme_act)
@@ -312,7 +307,7 @@ def engine_sub_group(s: Strategy) -> int:
     return min(s.sub_group_size, s.reduce_bucket_size)
 
 
-def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout: BucketPlan | None) -> int:
+def _stage012_buffers(s: Strategy, phi: int, full: int, own: int, layout: BucketPlan | None) -> int:
     """Transient device bytes beyond the model states at stages 0-2 (see the module doc)."""
     st, gb = s.stage, s.grad_bytes
     largest = layout.largest_padded if layout is not None else min(s.reduce_bucket_size, phi)
@@ -321,11 +316,11 @@ def _stage012_buffers(s: Strategy, phi: int, n: int, full: int, own: int, layout
         # overlap off: every full bucket exists at the end of backward, before the reductions
         backward = gb * (min(full, STAGE2_BUCKETS_IN_FLIGHT * largest) if s.overlap_comm else full)
     step = 0
-    if s.offload_optimizer == OffloadDevice.NONE or s.offload_ratio < 1.0:  # a device share steps here
-        if s.grad_bytes != FP32_BYTES:  # 16-bit gradient shards are upcast one sub-group at a time
-            shards = layout.shards if layout is not None else None
-            held = own if st >= Stage.OPTIMIZER_STATES else full  # stage 0 steps the whole gradient
-            upcast = max(sub_group_sums(shards, s.sub_group_size)) if shards else min(s.sub_group_size, held)
-            step += FP32_BYTES * upcast
+    # where a device share steps, 16-bit gradient shards are upcast one sub-group at a time
+    if (s.offload_optimizer == OffloadDevice.NONE or s.offload_ratio < 1.0) and gb != FP32_BYTES:
+        shards = layout.shards if layout is not None else None
+        held = own if st >= Stage.OPTIMIZER_STATES else full  # stage 0 steps the whole gradient
+        upcast = max(sub_group_sums(shards, s.sub_group_size)) if shards else min(s.sub_group_size, held)
+        step = FP32_BYTES * upcast
     # publishing (stages 1/2) gathers every bucket straight into place, chunked or not: no buffer
     return max(backward, step)

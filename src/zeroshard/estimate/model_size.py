@@ -166,17 +166,12 @@ def meta_model(cfg: dict):
             return transformers.AutoModel.from_config(config)
 
 
-def _count_with_transformers(cfg: dict) -> tuple[int, int, int]:
-    return _count_module(meta_model(cfg))
-
-
 def shape_from_hf_config(path: str, use_transformers: bool | None = None) -> ModelShape:
     """Count a HF config. `use_transformers`: None = analytic when the type is known,
     else transformers on the meta device if installed."""
     cfg = load_config(path)
     mt = cfg["model_type"]
-    analytic = mt in ANALYTIC_MODEL_TYPES and use_transformers is not True
-    if analytic:
+    if mt in ANALYTIC_MODEL_TYPES and use_transformers is not True:
         params, unit, layer = count_hf_config(cfg)
         how = "analytic count"
     else:
@@ -188,7 +183,7 @@ def shape_from_hf_config(path: str, use_transformers: bool | None = None) -> Mod
                 "install transformers to count it on the meta device: pip install 'transformers>=4.40,<6'"
             ) from None
         try:
-            params, unit, layer = _count_with_transformers(cfg)
+            params, unit, layer = _count_module(meta_model(cfg))
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"transformers cannot build model_type {mt!r} from {path!r}: {e}") from None
         how = "transformers, meta device"
@@ -273,7 +268,7 @@ def shape_from_callable(spec: str, layers: int | None = None, hidden: int | None
     if params == 0:
         raise ConfigError(f"{spec!r} built a module with no parameters")
     cfg = getattr(model, "config", None)
-    get = (lambda k: getattr(cfg, k, None)) if cfg is not None else (lambda k: None)
+    get = lambda k: getattr(cfg, k, None)  # None for every key without a config
     hidden = hidden or get("n_embd") or get("hidden_size")
     layers = layers or get("n_layer") or get("num_hidden_layers")
     heads = heads or get("n_head") or get("num_attention_heads")

@@ -109,11 +109,10 @@ def bucket_sizes(hidden: int | None) -> dict:
 
 
 def _zeropp_variants(s: Strategy, cluster: Cluster) -> list[Strategy]:
-    out = [replace(s, quantized_weights=True, quantized_gradients=True)]
-    if cluster.gpus_per_node > 1:
-        out.append(replace(s, quantized_weights=True, quantized_gradients=True,
-                           hpz_partition_size=cluster.gpus_per_node))
-    return out
+    qwz_qgz = replace(s, quantized_weights=True, quantized_gradients=True)
+    if cluster.gpus_per_node == 1:
+        return [qwz_qgz]
+    return [qwz_qgz, replace(qwz_qgz, hpz_partition_size=cluster.gpus_per_node)]
 
 
 @dataclass
@@ -140,11 +139,6 @@ class Plan:
         if self.winner:
             d["deepspeed_config"] = deepspeed_config(self.winner.strategy, self.work, self.cluster)
         return d
-
-
-def _first_fit(shape, cluster, work, record: list | None = None) -> Candidate | None:
-    """The winning candidate of the first tier of the route where one fits (`_first_fit_tier`)."""
-    return _first_fit_tier(shape, cluster, work, record)[0]
 
 
 def _first_fit_tier(shape, cluster, work, record: list | None = None) -> tuple[Candidate | None, int]:
@@ -198,8 +192,8 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
         p.route.append("nothing fits this cluster")
         p.smallest_fit = smallest_cluster(shape, cluster, work)
         return p
-    tiers = candidate_strategies(work, shape.hidden, frozen_base=shape.frozen_params > 0)
     lora = shape.frozen_params > 0
+    tiers = candidate_strategies(work, shape.hidden, frozen_base=lora)
     why = ("the fastest that fits" if lora else "the lowest stage that fits") + \
         f" in the first tier of the route with a fit ({_tier_name(tiers[tier_index])})"
     if tier_index > 0:
@@ -256,7 +250,7 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
     p.route.append(f"winner: {winner.label()}, {winner.memory.device_total / GIB:.1f} GiB per device, "
                    f"{winner.time.step:.2f} s per step")
     p.candidates += later  # for comparison in the table
-    # The other fitting candidates of the route, for the table (as before).
+    # The other fitting candidates of the route, for the table.
     for tier in tiers:
         for st in tier:
             c = evaluate(shape, st, cluster, work)
@@ -270,8 +264,8 @@ def smallest_cluster(shape: ModelShape, cluster: Cluster, work: Workload) -> tup
     """The fewest GPUs of the same kind on which some route candidate fits: more GPUs
     on the node first (up to MAX_GPUS_PER_NODE), then more nodes (binary search; the
     per-device need only falls as N grows)."""
-    def fit(cl: Cluster) -> Candidate | None:
-        return _first_fit(shape, cl, work)
+    def fit(cl: Cluster) -> Candidate | None:  # the winner of the first tier with a fit
+        return _first_fit_tier(shape, cl, work)[0]
 
     if cluster.nodes == 1:
         for g in range(cluster.gpus_per_node + 1, MAX_GPUS_PER_NODE + 1):
@@ -280,7 +274,7 @@ def smallest_cluster(shape: ModelShape, cluster: Cluster, work: Workload) -> tup
             if c:
                 return cl, c
     g = max(cluster.gpus_per_node, MAX_GPUS_PER_NODE if cluster.nodes == 1 else cluster.gpus_per_node)
-    lo, hi = max(cluster.nodes, 1), max(cluster.nodes, 1) * 2
+    lo, hi = cluster.nodes, cluster.nodes * 2  # Cluster checks nodes >= 1
     while hi <= MAX_NODES and not fit(cluster.with_size(hi, g)):
         lo, hi = hi, hi * 2
     if hi > MAX_NODES:

@@ -73,11 +73,9 @@ class Strategy:
     grads_to_host: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stage", Stage(self.stage))
-        object.__setattr__(self, "precision", Precision(self.precision))
-        object.__setattr__(self, "offload_optimizer", OffloadDevice(self.offload_optimizer))
-        object.__setattr__(self, "offload_param", OffloadDevice(self.offload_param))
-        object.__setattr__(self, "activation_offload", OffloadDevice(self.activation_offload))
+        for name, kind in (("stage", Stage), ("precision", Precision), ("offload_optimizer", OffloadDevice),
+                           ("offload_param", OffloadDevice), ("activation_offload", OffloadDevice)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
         if self.activation_offload != OffloadDevice.NONE and not self.activation_checkpointing:
             raise ConfigError("activation offload moves the inputs kept by activation checkpointing: set "
                               "activation_checkpointing=True, or activation_offload='none'")
@@ -87,8 +85,7 @@ class Strategy:
             raise ConfigError("offload_param needs stage 3 (only stage 3 partitions parameters)")
         if self.offload_optimizer != OffloadDevice.NONE and self.stage == Stage.DATA_PARALLEL:
             raise ConfigError("offload_optimizer needs stage 1, 2 or 3")
-        zpp = self.quantized_weights or self.quantized_gradients or self.hpz_partition_size > 1
-        if zpp and self.stage != Stage.PARAMETERS:
+        if self.zeropp and self.stage != Stage.PARAMETERS:
             raise ConfigError("ZeRO++ (qwZ, hpZ, qgZ) applies to stage 3 only")
         if self.hpz_partition_size < 1:
             raise ConfigError(f"zero_hpz_partition_size must be >= 1, got {self.hpz_partition_size}")

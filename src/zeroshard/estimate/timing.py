@@ -46,9 +46,8 @@ BACKWARD_FRACTION = 2 / 3  # share of the step's compute in backward
 # GPU here); 100 GB/s is the stated figure.
 QUANTIZE_BW = 100 * GB
 # Where the host is the device (zeroshard on gloo), CPU tensors run comm.quantize_native's fused
-# kernel, one thread per rank: bench/bench_quantize.py on this repository's 2-core VM (load ~19,
-# bench/RESULTS.md) measured q+dq 2.3-2.5 GB/s bf16 and 2.5-3.2 GB/s fp32 at 4-16 MiB (median
-# wall clock); 2 GB/s is the stated figure. Pass a machine's own as Cluster(quantize_bw=...).
+# kernel, one thread per rank: 2-3 GB/s q+dq on a loaded 2-core VM (bench/RESULTS.md), so 2 GB/s
+# is the stated figure. Pass a machine's own as Cluster(quantize_bw=...).
 CPU_QUANTIZE_BW = 2 * GB
 
 

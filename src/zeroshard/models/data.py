@@ -41,8 +41,7 @@ def global_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, step: int,
         raise ValueError(f"{tokens.numel()} tokens are too few for seq_len {seq_len}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, tokens.numel() - seq_len - 1, (rows,), generator=g)
-    idx = starts[:, None] + torch.arange(seq_len + 1)
-    windows = tokens[idx]
+    windows = tokens[starts[:, None] + torch.arange(seq_len + 1)]
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 

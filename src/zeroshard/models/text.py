@@ -58,8 +58,7 @@ def text_tokens(path: str | os.PathLike, max_bytes: int = 16_000_000) -> torch.T
             with open(name, "rb") as fh:
                 data = fh.read(max_bytes - total)
         except OSError:
-            skipped += 1
-            continue
+            data = b""  # unreadable: skipped like a file that is not text
         if not _is_text(data):
             skipped += 1
             continue

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 class Stage(enum.IntEnum):
     """ZeRO stage: what each rank shards beyond plain data parallelism."""
 
