@@ -116,6 +116,7 @@ class Stage3Policy:
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
     gather_16bit_weights_on_model_save: bool = False
+    memory_efficient_linear: bool = True  # stages/zero_linear.py: saves a Linear's weight, not a view of it
     unit_classes: tuple[str, ...] = ()  # leaf_module.classes: module class names gathered as one unit
     min_unit_params: int = 100_000  # without unit_classes: a subtree this large becomes a unit
 

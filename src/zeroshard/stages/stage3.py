@@ -30,12 +30,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import Stage3Policy
 from zeroshard.stages.hooks import Hooks, after_inputs_grad, when_grad_reaches
+from zeroshard.stages.zero_linear import linear
 
 if TYPE_CHECKING:
     from zeroshard.comm import AllGather
@@ -313,6 +315,17 @@ class Stage3Runtime:
         if unit.users == 0 and self.phase is Phase.IDLE:
             self._release(unit)
 
+    def manages(self, param) -> bool:
+        return isinstance(param, nn.Parameter) and id(param) in self._unit_of_param
+
+    def gathered_for_backward(self, param) -> None:
+        """A weight stage 3's linear saved is read in backward: its unit is gathered then by the
+        hooks; if it is not (released early for max_live_parameters), gather it now for the pass."""
+        unit = self._unit_of_param[id(param)]
+        if unit.state is not UnitState.GATHERED:
+            self.gather(unit)
+            self._pinned.add(unit.index)
+
     def is_released(self, param) -> bool:
         unit = self._unit_of_param.get(id(param))
         return unit is not None and unit.state is not UnitState.GATHERED
@@ -352,7 +365,8 @@ _ACCESSORS = {"__get__", "__set__", "__delete__"}
 
 class _OutsideReads(TorchFunctionMode):
     """While a stage-3 forward runs: any op handed a parameter whose unit is released gets the
-    unit gathered first (see `Stage3Runtime.adopt`). One identity lookup per tensor argument."""
+    unit gathered first (see `Stage3Runtime.adopt`). One identity lookup per tensor argument.
+    `F.linear` on a managed weight is stage 3's linear (stages/zero_linear.py)."""
 
     def __init__(self, runtime: Stage3Runtime) -> None:
         super().__init__()
@@ -368,6 +382,10 @@ class _OutsideReads(TorchFunctionMode):
             for t in arg if isinstance(arg, (list, tuple)) else (arg,):
                 if isinstance(t, nn.Parameter) and self.runtime.is_released(t):
                     self.runtime.adopt(t)
+        if func is F.linear and self.runtime.policy.memory_efficient_linear:
+            out = linear(args, kwargs, self.runtime.manages, self.runtime.gathered_for_backward)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
 
 
