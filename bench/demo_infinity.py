@@ -121,11 +121,22 @@ class _Watch:
                 os._exit(3)
 
 
+def _bf16_gemm() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX-BF16), which torch's
+    oneDNN uses for bf16 matmuls; without them a bf16 matmul is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 class _Fp32Linear(torch.autograd.Function):
     """y = x W^T + b for bf16 tensors, each matmul done in fp32 and the result rounded to bf16
-    (what bf16 hardware does with its fp32 accumulators). This AVX2 CPU has no bf16 GEMM: torch's
-    bf16 matmul of grad_output @ W (the input gradient) runs ~40-60x slower than fp32 here. Saves
-    (x, W) as F.linear does; the fp32 copies are temporaries of one Linear at a time."""
+    (what bf16 hardware does with its fp32 accumulators), for CPUs without a bf16 GEMM (AVX2:
+    torch's bf16 matmul of grad_output @ W runs ~40-60x slower than fp32 there). Saves (x, W) as
+    F.linear does; the fp32 copies are temporaries of one Linear at a time."""
 
     @staticmethod
     def forward(ctx, x, w, b):
@@ -178,8 +189,9 @@ def main() -> None:
     p.add_argument("--raw-mib", type=int, default=1024, help="MiB dd writes and reads for the raw disk rates")
     p.add_argument("--sub-group", type=int, default=20_000_000)
     p.add_argument("--bf16", action="store_true", help='"bf16": {"enabled": true} (default fp32)')
-    p.add_argument("--bf16-matmul", choices=["fp32", "native"], default="fp32",
-                   help="with --bf16: Linear matmuls in fp32 on bf16 tensors (default; no bf16 GEMM on AVX2) or torch's bf16")
+    p.add_argument("--bf16-matmul", choices=["fp32", "native"], default="native" if _bf16_gemm() else "fp32",
+                   help="with --bf16: torch's bf16 Linear matmuls (the default where the CPU has AVX512-BF16 or "
+                        "AMX-BF16) or fp32 matmuls on bf16 tensors (the default elsewhere)")
     p.add_argument("--min-avail-gib", type=float, default=3.0, help="stop when MemAvailable is below this")
     p.add_argument("--pid-file", help="write this process's PID here")
     p.add_argument("--json", help="write the per-step rows here")
@@ -235,6 +247,8 @@ def main() -> None:
         config["bf16"] = {"enabled": True}
         if args.bf16_matmul == "fp32":
             _fp32_matmul_linear()
+        say(f"bf16 Linear matmuls: {'torch bf16 (oneDNN)' if args.bf16_matmul == 'native' else 'fp32 on bf16 tensors'}"
+            f" (--bf16-matmul {args.bf16_matmul}; this CPU {'has' if _bf16_gemm() else 'has no'} bf16 GEMM instructions)")
     started = time.perf_counter()
     engine = zeroshard.initialize(model, config)
     init_s, init_rss = time.perf_counter() - started, _rss_peak_gib()
