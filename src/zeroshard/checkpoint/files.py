@@ -94,10 +94,7 @@ def header_bytes(entries: list[Entry], metadata: dict[str, str] | None) -> bytes
 def _as_bytes(t: torch.Tensor, e: Entry) -> memoryview:
     if tuple(t.shape) != e.shape or t.dtype != e.dtype:
         raise CheckpointError(f"{e.key}: produced {tuple(t.shape)} {t.dtype}, planned {e.shape} {e.dtype}")
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def write_safetensors(path: str, entries: list[Entry], metadata: dict[str, str] | None = None) -> Written:
