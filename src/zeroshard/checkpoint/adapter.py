@@ -118,9 +118,7 @@ def _rebuilt_config(names: list[str], shapes: dict[str, list[int]], adapter: str
     for n in names:
         m = _LORA_PART.search(n)
         module = n[: m.start()]
-        if m.group(1) == "lora_A":
-            ranks[module] = shapes[n][0]
-        elif m.group(1) == "lora_embedding_A":
+        if m.group(1) in ("lora_A", "lora_embedding_A"):
             ranks[module] = shapes[n][0]
         dora = dora or m.group(1) == "lora_magnitude_vector"
     if not ranks:
