@@ -24,10 +24,10 @@ import torch
 
 from zeroshard.checkpoint.deepspeed_reader.entry import open_deepspeed
 from zeroshard.checkpoint.deepspeed_reader.reader import DeepSpeedCheckpoint
-from zeroshard.checkpoint.files import Entry, fsync_dir, write_safetensors, write_small
+from zeroshard.checkpoint.files import Entry, fsync_dir, write_rank_files, write_small
 from zeroshard.checkpoint.format import (
     FORMAT, LATEST, META, TMP_PREFIX, VERSION, BucketRecord, SlotRecord, bucket_key, check_tag, dumps, json_safe,
-    module_key, rank_file, seal_meta,
+    module_key, seal_meta,
 )
 from zeroshard.policies import CheckpointError, SchedulerSpec, ZeroShardError
 
@@ -175,13 +175,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
                             values.append(Entry(module_key(name), tuple(info["shape"]), dtype,
                                                 lambda name=name, s=tuple(info["shape"]), d=dtype:
                                                 r.read(name).to(d).view(s)))
-                for entries, field in ((values, "value"), (states, "optim")):
-                    name = rank_file(rank, field)
-                    metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(rank)}
-                    if field == "optim":
-                        metadata["json_states"] = "{}"
-                    written = write_safetensors(os.path.join(tmp, name), entries, metadata)
-                    files[name] = {"rank": rank, "bytes": written.bytes, "sha256": written.sha256}
+                files.update(write_rank_files(tmp, rank, values, states, "{}"))
             meta = {
                 "format": FORMAT, "version": VERSION, "tag": new_tag, "created": time.time(),
                 "torch_version": torch.__version__, "world_size": r.world_size,
