@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.format import train_state_of
-from zeroshard.checkpoint.exchange import agree, agreed
-from zeroshard.checkpoint.export import stream_entries, target_dtype
+from zeroshard.checkpoint.exchange import agreed
+from zeroshard.checkpoint.export import stream_entries, target_dtype, write_streamed
 from zeroshard.checkpoint.files import Entry, write_safetensors, write_small
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.policies import CheckpointError, Stage
@@ -118,9 +118,7 @@ def _rebuilt_config(names: list[str], shapes: dict[str, list[int]], adapter: str
     for n in names:
         m = _LORA_PART.search(n)
         module = n[: m.start()]
-        if m.group(1) == "lora_A":
-            ranks[module] = shapes[n][0]
-        elif m.group(1) == "lora_embedding_A":
+        if m.group(1) in ("lora_A", "lora_embedding_A"):
             ranks[module] = shapes[n][0]
         dora = dora or m.group(1) == "lora_magnitude_vector"
     if not ranks:
@@ -208,13 +206,5 @@ def save_adapter(engine, save_dir: str | os.PathLike) -> list[str]:
     entries, finish = stream_entries(ts, [(n, sd[n]) for n in names], ts.buckets,
                                      gather=ts.settings.zero.stage == Stage.PARAMETERS,
                                      key=lambda n: peft_key(n, adapter))
-    written: list[str] = []
-    error: BaseException | None = None
-    try:
-        if ts.rank == 0:
-            written = _write_adapter(os.fspath(save_dir), entries, meta["config"])
-    except BaseException as exc:
-        error = exc
-    finish()
-    agree(ts.comm, error, ts.device, "save_adapter")
-    return written
+    return write_streamed(ts, lambda: _write_adapter(os.fspath(save_dir), entries, meta["config"]), finish,
+                          "save_adapter")

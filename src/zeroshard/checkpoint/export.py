@@ -238,17 +238,25 @@ def stream_entries(ts, items, buckets, gather: bool, key: Callable[[str], str] =
     return entries, finish
 
 
-def _save_16bit_stage3(ts, save_dir: str, max_shard_size: int | str) -> list[str]:
-    entries, finish = stream_entries(ts, ts.module.state_dict(keep_vars=True).items(),
-                                     list(ts.buckets) + list(ts.frozen_buckets), gather=True)
+def write_streamed(ts, write: Callable[[], list[str]], finish: Callable[[], None], doing: str) -> list[str]:
+    """`write()` on rank 0, `finish()` (of `stream_entries`) on every rank, then `agree` on the write."""
     written: list[str] = []
     error: BaseException | None = None
     try:
         if ts.rank == 0:
-            config = _config_for(model_config(ts.module), ts.compute_dtype, type(ts.module).__name__)
-            written = write_model(save_dir, entries, max_shard_size, config)
+            written = write()
     except BaseException as exc:
         error = exc
     finish()
-    agree(ts.comm, error, ts.device, "save_16bit_model")
+    agree(ts.comm, error, ts.device, doing)
     return written
+
+
+def _save_16bit_stage3(ts, save_dir: str, max_shard_size: int | str) -> list[str]:
+    entries, finish = stream_entries(ts, ts.module.state_dict(keep_vars=True).items(),
+                                     list(ts.buckets) + list(ts.frozen_buckets), gather=True)
+
+    def write() -> list[str]:
+        config = _config_for(model_config(ts.module), ts.compute_dtype, type(ts.module).__name__)
+        return write_model(save_dir, entries, max_shard_size, config)
+    return write_streamed(ts, write, finish, "save_16bit_model")

@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from zeroshard.checkpoint.format import dtype_code
+from zeroshard.checkpoint.format import FORMAT, dtype_code, rank_file
 from zeroshard.policies import CheckpointError
 
 CHUNK = 64 << 20  # bytes per write call (and per hash update)
@@ -94,10 +94,7 @@ def header_bytes(entries: list[Entry], metadata: dict[str, str] | None) -> bytes
 def _as_bytes(t: torch.Tensor, e: Entry) -> memoryview:
     if tuple(t.shape) != e.shape or t.dtype != e.dtype:
         raise CheckpointError(f"{e.key}: produced {tuple(t.shape)} {t.dtype}, planned {e.shape} {e.dtype}")
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def write_safetensors(path: str, entries: list[Entry], metadata: dict[str, str] | None = None) -> Written:
@@ -125,6 +122,19 @@ def write_safetensors(path: str, entries: list[Entry], metadata: dict[str, str] 
         except OSError as exc:
             raise write_error(path, exc) from None
     return Written(total, sha.hexdigest())
+
+
+def write_rank_files(tmp: str, rank: int, values: list[Entry], states: list[Entry], json_states: str) -> dict:
+    """`rank`'s model (values) and optim (states) files in `tmp`: meta.json's `files` entries for them."""
+    files = {}
+    for entries, field in ((values, "value"), (states, "optim")):
+        name = rank_file(rank, field)
+        metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(rank)}
+        if field == "optim":
+            metadata["json_states"] = json_states
+        written = write_safetensors(os.path.join(tmp, name), entries, metadata)
+        files[name] = {"rank": rank, "bytes": written.bytes, "sha256": written.sha256}
+    return files
 
 
 def write_small(path: str, data: bytes) -> None:

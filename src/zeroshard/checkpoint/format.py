@@ -28,6 +28,7 @@ holds each shard. That is what lets any saved layout load into any other.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -185,8 +186,6 @@ META_SHA256 = "meta_sha256"
 def meta_checksum(meta: dict[str, Any]) -> str:
     """sha256 of `meta` as written, without its own checksum key. JSON written by `dumps`
     reads back to the same bytes, so the sum can be checked on every read."""
-    import hashlib
-
     return hashlib.sha256(dumps({k: v for k, v in meta.items() if k != META_SHA256})).hexdigest()
 
 

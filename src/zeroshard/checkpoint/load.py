@@ -131,8 +131,7 @@ def load_frozen_shards(reader: CheckpointReader, ts) -> None:
 def load_module_tensors(reader: CheckpointReader, ts) -> None:
     """Frozen parameters and buffers kept whole on every rank (all of them at stages 0-2;
     buffers and frozen parameters outside units at stage 3)."""
-    table = name_table_of(ts)
-    for name, t in table.module_entries:
+    for name, t in name_table_of(ts).module_entries:
         t.data.copy_(reader.read(name, "value").view(t.shape))
 
 

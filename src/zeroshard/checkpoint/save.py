@@ -26,10 +26,9 @@ import torch
 from zeroshard.checkpoint import rng
 from zeroshard.checkpoint.adapter import PEFT_META_KEY, peft_meta
 from zeroshard.checkpoint.exchange import agree, agreed, all_records
-from zeroshard.checkpoint.files import fsync_dir, write_safetensors, write_small
+from zeroshard.checkpoint.files import fsync_dir, write_rank_files, write_small
 from zeroshard.checkpoint.format import (
-    FORMAT, LATEST, META, OLD_PREFIX, TMP_PREFIX, VERSION, check_tag, dumps, json_safe, rank_file as rank_file_name,
-    seal_meta, train_state_of,
+    FORMAT, LATEST, META, OLD_PREFIX, TMP_PREFIX, VERSION, check_tag, dumps, json_safe, seal_meta, train_state_of,
 )
 from zeroshard.checkpoint.snapshot import JSON, model_config, name_table_of, rank_file
 from zeroshard import faults
@@ -62,14 +61,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         part = rank_file(ts, table)
         check_space(save_dir, sum(e.nbytes for e in (*part.entries, *part.optim_entries)),
                     ts.comm.topology.local_world_size)
-        files = {}
-        for entries, field in ((part.entries, "value"), (part.optim_entries, "optim")):
-            name = rank_file_name(ts.rank, field)
-            metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(ts.rank)}
-            if field == "optim":
-                metadata["json_states"] = dumps(part.json_states).decode()
-            written = write_safetensors(os.path.join(tmp, name), entries, metadata)
-            files[name] = {"rank": ts.rank, "bytes": written.bytes, "sha256": written.sha256}
+        files = write_rank_files(tmp, ts.rank, part.entries, part.optim_entries, dumps(part.json_states).decode())
         record = {"error": None, "files": files, "shards": part.shards, "state_kinds": part.state_kinds,
                   "rng": rng.capture()}
     except BaseException as exc:

@@ -10,6 +10,7 @@ CPU DeepSpeed's CPU meaning (device name "cpu", current device = LOCAL_RANK, mem
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 
@@ -209,11 +210,7 @@ class ZeroshardAccelerator:
         return torch.cuda.Stream if self._cuda else None
 
     def stream(self, stream):
-        if self._cuda:
-            return torch.cuda.stream(stream)
-        from contextlib import nullcontext
-
-        return nullcontext()
+        return torch.cuda.stream(stream) if self._cuda else contextlib.nullcontext()
 
     def current_stream(self, device_index=None):
         return torch.cuda.current_stream(device_index) if self._cuda else None

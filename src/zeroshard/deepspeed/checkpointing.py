@@ -45,9 +45,7 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     global _configured
     if mpu_ is not None:
         raise ConfigError(unsupported("model parallelism (checkpointing.configure(mpu_=...))"))
-    policy = None
-    if deepspeed_config is not None:
-        policy = load_config(deepspeed_config, 1).activations
+    policy = load_config(deepspeed_config, 1).activations if deepspeed_config is not None else None
     if partition_activations:
         raise NotSupportedYetError("checkpointing.configure(partition_activations=True): not supported yet by "
                                    "zeroshard; set it to False")

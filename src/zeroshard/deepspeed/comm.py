@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import Comm, CommLedger, setup_topology
-from zeroshard.policies import RuntimePolicy
+from zeroshard.policies import ConfigError, RuntimePolicy
 
 __all__ = ["barrier", "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_initialized"]
 
@@ -42,8 +42,6 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     is noted, not obeyed. `init_method`, `rank` and `world_size` are not taken: launch with
     `zeroshard launch` or torchrun, which set the environment."""
     if init_method is not None or rank >= 0 or world_size >= 0:
-        from zeroshard.policies import ConfigError
-
         raise ConfigError("init_distributed(init_method=/rank=/world_size=) is not supported by zeroshard: "
                           "launch with `zeroshard launch` or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR "
                           "and MASTER_PORT for every rank")
@@ -74,8 +72,6 @@ def get_local_rank() -> int:
 def barrier(group=None) -> None:
     """Wait until every rank arrives (a no-op on one process). Only the default group."""
     if group is not None:
-        from zeroshard.policies import ConfigError
-
         raise ConfigError("comm.barrier(group=...) is not supported by zeroshard: only the default group")
     if not is_initialized():
         return

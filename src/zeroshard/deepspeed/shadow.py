@@ -65,9 +65,8 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
             spec = None
         if spec is None:
             raise ModuleNotFoundError(not_served(fullname), name=fullname)
-        alias = importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
-                                               is_package=spec.submodule_search_locations is not None)
-        return alias
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
+                                              is_package=spec.submodule_search_locations is not None)
 
 
 def not_served(name: str) -> str:

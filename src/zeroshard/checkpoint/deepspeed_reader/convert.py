@@ -24,24 +24,12 @@ import torch
 
 from zeroshard.checkpoint.deepspeed_reader.entry import open_deepspeed
 from zeroshard.checkpoint.deepspeed_reader.reader import DeepSpeedCheckpoint
-from zeroshard.checkpoint.files import Entry, fsync_dir, write_safetensors, write_small
+from zeroshard.checkpoint.files import Entry, fsync_dir, write_rank_files, write_small
 from zeroshard.checkpoint.format import (
-    FORMAT,
-    LATEST,
-    META,
-    TMP_PREFIX,
-    VERSION,
-    BucketRecord,
-    SlotRecord,
-    bucket_key,
-    check_tag,
-    dumps,
-    json_safe,
-    module_key,
-    rank_file,
-    seal_meta,
+    FORMAT, LATEST, META, TMP_PREFIX, VERSION, BucketRecord, SlotRecord, bucket_key, check_tag, dumps, json_safe,
+    module_key, seal_meta,
 )
-from zeroshard.policies import CheckpointError, ZeroShardError
+from zeroshard.policies import CheckpointError, SchedulerSpec, ZeroShardError
 
 
 def _buckets(r: DeepSpeedCheckpoint, fields: tuple[str, ...]) -> list[tuple[BucketRecord, list]]:
@@ -80,12 +68,6 @@ def _shard(r: DeepSpeedCheckpoint, rec: BucketRecord, shard: int, field: str) ->
     return out
 
 
-def _step(r: DeepSpeedCheckpoint, runs: list, shard: int, key: str) -> torch.Tensor:
-    """The scalar state (`step`) of DeepSpeed rank `shard`'s flat tensor holding this bucket."""
-    flat = next((run.flat for rs in runs for run in rs), 0)
-    return r._scalar(shard, flat, key).reshape(())
-
-
 def _scheduler_state(r: DeepSpeedCheckpoint) -> dict[str, Any] | None:
     """DeepSpeed's WarmupLR-family state as the state dict of zeroshard's scheduler of the same
     name, built from the saved config over the saved hyperparameters."""
@@ -94,7 +76,6 @@ def _scheduler_state(r: DeepSpeedCheckpoint) -> dict[str, Any] | None:
     if saved is None or spec is None:
         return None
     from zeroshard.optim.schedulers import build_scheduler
-    from zeroshard.policies import SchedulerSpec
 
     groups = r.meta["optimizer"]["param_groups"] or [{}]
     base = float(((r.config.get("optimizer") or {}).get("params") or {}).get("lr", 1e-3))
@@ -184,7 +165,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
                             states.append(Entry(bucket_key(rec.index, f"optim.{k}"), (rec.shard_numel,), torch.float32,
                                                 lambda rec=rec, rank=rank, k=k: _shard(r, rec, rank, f"optim.{k}")))
                         else:
-                            one = _step(r, runs, rank, k)
+                            flat = next((run.flat for rs in runs for run in rs), 0)  # the one holding this bucket
+                            one = r._scalar(rank, flat, k).reshape(())  # its scalar state (`step`) on DeepSpeed rank
                             states.append(Entry(bucket_key(rec.index, f"optim.{k}"), (), one.dtype, lambda one=one: one))
                 if rank == 0:  # buffers and frozen parameters, whole, read when written (one at a time)
                     for name, info in r.tensors.items():
@@ -193,13 +175,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
                             values.append(Entry(module_key(name), tuple(info["shape"]), dtype,
                                                 lambda name=name, s=tuple(info["shape"]), d=dtype:
                                                 r.read(name).to(d).view(s)))
-                for entries, field in ((values, "value"), (states, "optim")):
-                    name = rank_file(rank, field)
-                    metadata = {"format": "pt", "zeroshard": FORMAT, "rank": str(rank)}
-                    if field == "optim":
-                        metadata["json_states"] = "{}"
-                    written = write_safetensors(os.path.join(tmp, name), entries, metadata)
-                    files[name] = {"rank": rank, "bytes": written.bytes, "sha256": written.sha256}
+                files.update(write_rank_files(tmp, rank, values, states, "{}"))
             meta = {
                 "format": FORMAT, "version": VERSION, "tag": new_tag, "created": time.time(),
                 "torch_version": torch.__version__, "world_size": r.world_size,

@@ -39,11 +39,8 @@ def describe(ckpt, sd: dict[str, Any], names: list[str], first: dict[str, Any]) 
     sched_cfg = cfg.get("scheduler") if isinstance(cfg.get("scheduler"), dict) else None
     scaler = first.get("loss_scaler")
     client = {k: v for k, v in sd.items() if k not in DS_KEYS}
-    files = {}
-    for r, name in sorted(ckpt.optim_files.items()):
-        files[name] = {"rank": r, "bytes": os.path.getsize(ckpt.path_of(name)), "sha256": None}
-    for r, name in sorted(ckpt.model_files.items()):
-        files[name] = {"rank": r, "bytes": os.path.getsize(ckpt.path_of(name)), "sha256": None}
+    files = {name: {"rank": r, "bytes": os.path.getsize(ckpt.path_of(name)), "sha256": None}
+             for r, name in [*sorted(ckpt.optim_files.items()), *sorted(ckpt.model_files.items())]}
     return {
         "format": FORMAT, "tag": os.path.basename(os.path.normpath(ckpt.dir)),
         "deepspeed_version": str(sd.get("ds_version")), "world_size": ckpt.world_size, "stage": ckpt.stage,

@@ -122,15 +122,13 @@ class DeepSpeedCheckpoint:
     def _build_meta(self) -> None:
         sd = self._model
         model_path = self.path_of(self.model_files[0])
-        cfg = sd.get("ds_config") if isinstance(sd.get("ds_config"), dict) else {}
-        self.config = cfg
+        self.config = cfg = sd.get("ds_config") if isinstance(sd.get("ds_config"), dict) else {}
         self.world_size = self._saved_world_size(sd)
         if int(sd.get("mp_world_size") or 1) != 1:
             raise CheckpointError(f"{model_path}: saved with model parallel size {sd['mp_world_size']}; only data "
                                   "parallel ZeRO checkpoints are supported")
         zero = cfg.get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0) if isinstance(zero, dict) else 0)
-        self.stage = stage
+        self.stage = stage = int(zero.get("stage", 0) if isinstance(zero, dict) else 0)
         module = sd["module"]
         if not isinstance(module, dict):
             raise CheckpointError(f"{model_path}: 'module' is not a state dict")
@@ -157,8 +155,7 @@ class DeepSpeedCheckpoint:
                                   "cannot map the flat partitions to parameters")
         self.groups: list[list[tuple[str, tuple[int, ...]]]] = [
             [(n, tuple(int(d) for d in s)) for n, s in g.items()] for g in groups]
-        frozen_shapes = sd.get("frozen_param_shapes") or {}
-        self.frozen = {n: tuple(int(d) for d in s) for n, s in frozen_shapes.items()}
+        self.frozen = {n: tuple(int(d) for d in s) for n, s in (sd.get("frozen_param_shapes") or {}).items()}
         self.buffer_names = list(sd.get("buffer_names") or [])
         self.tied = {str(a): str(c) for a, c in (sd.get("shared_params") or {}).items()}
 

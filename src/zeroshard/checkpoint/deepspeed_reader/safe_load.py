@@ -76,10 +76,6 @@ _RECORDS = {name: type(name.rsplit(".", 1)[1], (Record,), {"type_name": name, "_
             for name in ALLOWED}
 
 
-def record_type(obj: Any) -> str | None:
-    return obj.type_name if isinstance(obj, Record) else None
-
-
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _FUNC = re.compile(r"unrecognized function (.+?)(?: which belongs|$)")
 

@@ -87,8 +87,7 @@ def parameter_groups(sd: dict[str, Any], path: str) -> list[list[tuple[str, tupl
                               f"{len(params)}: DeepSpeed does not record which were frozen at stage 0 (no "
                               "param_shapes), so they cannot be matched; load its 'module' weights into the model with torch instead")
     state = inner.get("state") or {}
-    masters = opt.get("fp32_groups") if "fp32_groups" in opt else None
-    flat_masters = [t for g in masters for t in g] if masters else None
+    flat_masters = [t for g in opt["fp32_groups"] for t in g] if opt.get("fp32_groups") else None
     for j, (name, shape) in enumerate(params):
         saved = flat_masters[j] if flat_masters is not None else (state.get(j) or {}).get("exp_avg")
         if torch.is_tensor(saved) and saved.numel() != math.prod(shape):

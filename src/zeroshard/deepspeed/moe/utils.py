@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from zeroshard.deepspeed.config import unsupported
+from zeroshard.policies import ConfigError
+
 __all__ = ["has_moe_layers", "is_moe_param", "split_params_into_different_moe_groups_for_optimizer",
            "split_params_into_shared_and_expert_params"]
 
@@ -46,9 +49,6 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups: Any, max_
         params = group["params"] if isinstance(group, dict) else [group]
         expert = [p for p in params if is_moe_param(p)]
         if expert:
-            from zeroshard.deepspeed.config import unsupported
-            from zeroshard.policies import ConfigError
-
             raise ConfigError(unsupported("mixture-of-experts parameters (deepspeed.moe.utils found parameters "
                                           "marked allreduce=False)"))
     return param_groups

@@ -47,8 +47,4 @@ def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
 
 def flagged_classes(model: nn.Module) -> list[str]:
     """Class names of the flagged modules, in order of first appearance."""
-    names: list[str] = []
-    for m in get_z3_leaf_modules(model):
-        if type(m).__name__ not in names:
-            names.append(type(m).__name__)
-    return names
+    return list(dict.fromkeys(type(m).__name__ for m in get_z3_leaf_modules(model)))
