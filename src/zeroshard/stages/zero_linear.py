@@ -3,7 +3,7 @@
 torch's `F.linear` saves a view of its weight (`weight.t()`) for backward. At stage 3 that view
 keeps the gathered full buffer of every unit alive from the unit's forward to its backward, so
 releasing a unit after forward frees nothing: a forward held every unit's parameters at once
-(12 units of 16 MiB: +193 MiB; the 3.15B bf16 demo: +6 GiB). This linear saves the Parameter
+(measured in bench/RESULTS.md, issue 24; tests/test_zero_linear.py). This linear saves the Parameter
 itself; backward reads its values again from the unit's gather for backward (stage 3's hooks),
 or gathers the unit if it is released then (a weight read outside its unit's backward).
 
