@@ -129,7 +129,7 @@ class ZeroConfig(Section):
     module_granularity_threshold: NonNegInt = 0
     use_all_reduce_for_fetch_params: Bool = False
     allgather_sequential: Bool = False
-    memory_efficient_linear: Bool = True
+    memory_efficient_linear: Bool = _S3.memory_efficient_linear
     pipeline_loading_checkpoint: Bool = False
     override_module_apply: Bool = True
     log_trace_cache_warnings: Bool = False
