@@ -10,6 +10,7 @@ the unit is gathered around that module's forward too.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -127,13 +128,8 @@ def _repeated_children(model: nn.Module) -> dict[int, nn.Module]:
 
     def visit(module: nn.Module) -> None:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            counts: dict[type, int] = {}
-            for child in module.children():
-                if any(True for _ in child.parameters()):
-                    counts[type(child)] = counts.get(type(child), 0) + 1
-            repeated = [c for c in module.children() if counts.get(type(c), 0) >= 2]
-            for child in repeated:
-                blocks[id(child)] = child
+            counts = Counter(type(c) for c in module.children() if any(True for _ in c.parameters()))
+            blocks.update((id(c), c) for c in module.children() if counts[type(c)] >= 2)
             rest = [c for c in module.children() if id(c) not in blocks]
         else:
             rest = list(module.children())
