@@ -10,6 +10,7 @@ the unit is gathered around that module's forward too.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -145,13 +146,8 @@ def _persistent(model: nn.Module, policy: Stage3Policy) -> set[int]:
     up to model_persistence_threshold elements in all."""
     small = sorted(_dedup([p for p in model.parameters() if p.numel() <= policy.param_persistence_threshold]),
                    key=lambda p: p.numel())
-    kept, total = set(), 0
-    for p in small:
-        if total + p.numel() > policy.model_persistence_threshold:
-            break
-        kept.add(id(p))
-        total += p.numel()
-    return kept
+    running = itertools.accumulate(p.numel() for p in small)  # sizes ascending: it passes the limit once
+    return {id(p) for p, total in zip(small, running) if total <= policy.model_persistence_threshold}
 
 
 def _find_external_users(model: nn.Module, units: list[UnitPlan], owner: dict[int, UnitPlan]) -> None:
