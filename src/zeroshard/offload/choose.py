@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.offload.nvme import NvmeTier
-from zeroshard.offload.tiers import DeviceTier, HostTier, Tier
+from zeroshard.offload.tiers import Tier, memory_tier
 from zeroshard.policies import AioPolicy, OffloadDevice, OffloadPolicy
 
 
@@ -17,10 +17,8 @@ def make_tier(policy: OffloadPolicy, device: torch.device, aio: AioPolicy | None
     if policy.device is OffloadDevice.NVME:
         read_ahead = (policy.buffer_count, policy.buffer_size) if purpose == "params" else (0, 0)
         return NvmeTier(policy.nvme_path, aio or AioPolicy(), purpose, rank, read_ahead)
-    if policy.device is OffloadDevice.CPU:
-        return HostTier(policy.pin_memory)
-    if policy.device is OffloadDevice.NONE:
-        return DeviceTier(device)
+    if policy.device in (OffloadDevice.CPU, OffloadDevice.NONE):
+        return memory_tier(policy, device)
     raise NotImplementedError(f"offload device {policy.device.value!r} has no tier")
 
 

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from zeroshard.partition.layout import offload_split
-from zeroshard.policies import OffloadPolicy
+from zeroshard.policies import OffloadDevice, OffloadPolicy
 
 log = logging.getLogger("zeroshard")
 
@@ -117,6 +117,14 @@ class HostTier(Tier):
 
     def describe(self) -> str:
         return "host (cpu" + (", pinned)" if self.pin else ")")
+
+
+def memory_tier(policy: OffloadPolicy, device: torch.device) -> Tier:
+    """The tier in memory `policy` asks for: the host with `cpu`, else the device (the nvme
+    tier is offload/nvme.py's; `zeroshard.offload.make_tier` chooses among all three)."""
+    if policy.device is OffloadDevice.CPU:
+        return HostTier(policy.pin_memory)
+    return DeviceTier(device)
 
 
 def host_step_threads(local_world_size: int) -> tuple[int, str]:
