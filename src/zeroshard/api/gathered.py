@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Comm, CommLedger, setup_topology
-from zeroshard.partition.param_shards import shard_of, shard_parameter
+from zeroshard.partition.param_shards import materialize, shard_of, shard_parameter
 from zeroshard.policies import RuntimePolicy
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
@@ -61,10 +61,9 @@ class GatheredParameters:
         if self._engine is None:
             self._exit_init()
             return
-        engine = self._engine
         try:
             if self.modifier_rank is not None and exc[0] is None:
-                self._scatter_back(engine)
+                self._scatter_back(self._engine)
         finally:
             self._held.__exit__(None, None, None)
 
@@ -97,8 +96,6 @@ class GatheredParameters:
         return Comm(topology, CommLedger(topology.world_size), timeout_s)
 
     def _enter_init(self) -> None:
-        from zeroshard.partition.param_shards import materialize
-
         self._init_params = [p for p in self.params if shard_of(p) is not None]
         if self._init_params:
             self._comm_obj = self._comm()

@@ -67,9 +67,9 @@ class Init:
             full = param.detach()
             if self.comm.world_size > 1:
                 self.comm.broadcast(full, 0, what=f"initial value of {type(child).__name__}.{pname}").wait()
-            self.peak_bytes = max(self.peak_bytes, full.numel() * full.element_size())
+            self.peak_bytes = max(self.peak_bytes, full.nbytes)
             entry = shard_parameter(param, self.comm.rank, self.comm.world_size, self.comm.timeout_s)
-            self.shard_bytes += entry.shard.numel() * entry.shard.element_size()
+            self.shard_bytes += entry.shard.nbytes
         return None
 
 

@@ -54,7 +54,9 @@ class Handle:
         except Exception as exc:  # the backend's own error types vary by version and backend
             raise self._comm.failure(self._what, exc) from None
         if self._works:
-            self._totals.add_seconds(time.perf_counter() - self._started)
+            elapsed = time.perf_counter() - self._started
+            for totals in self._totals:  # the ledger's overall and per-scope entries
+                totals.seconds += elapsed
         if self._finish is not None:
             self._finish()
 
@@ -157,11 +159,9 @@ class Comm:
         cls = CommTimeoutError if timed_out else CommError
         hint = f"did not finish within {self.timeout_s:g}s" if timed_out else "failed"
         on = "" if self.on_group.name == "world" else f" on the {self.on_group.name} group {list(self.on_group.ranks)}"
-        return cls(
-            f"rank {self.topology.rank}/{self.topology.world_size}: {what}{on} during {self.where} {hint} ({text}). "
-            "A peer rank has died, is stuck, or issued a different collective; check the other "
-            "ranks' errors. Raise `zeroshard.comm_timeout_s` only if the peers are merely slow."
-        )
+        return cls(f"rank {self.topology.rank}/{self.topology.world_size}: {what}{on} during {self.where} {hint} "
+                   f"({text}). A peer rank has died, is stuck, or issued a different collective; check the other "
+                   "ranks' errors. Raise `zeroshard.comm_timeout_s` only if the peers are merely slow.")
 
     def issue(self, op: str, tensor: torch.Tensor, elements: int, what: str, call,
               wire_bytes: int | None = None, finish: Callable[[], None] | None = None,
@@ -286,10 +286,8 @@ class Comm:
         buffer and no copy out. `input` may be `outputs[rank]` itself."""
         n, size = self.world_size, input.numel()
         if len(outputs) != n or any(o.numel() != size or o.dtype != input.dtype for o in outputs):
-            raise CommError(
-                f"all_gather_into: expected {n} outputs of {size} {input.dtype} elements, got "
-                f"{[(o.numel(), o.dtype) for o in outputs]}; this is a zeroshard bug, please report it."
-            )
+            raise CommError(f"all_gather_into: expected {n} outputs of {size} {input.dtype} elements, got "
+                            f"{[(o.numel(), o.dtype) for o in outputs]}; this is a zeroshard bug, please report it.")
         if self._direct(input):
             return self._all_gather_direct(outputs, input, what)
         mine = outputs[self.rank]
@@ -334,7 +332,5 @@ class Comm:
     def check_sizes(self, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
         """`full` must be world_size x `shard` elements (a CommError naming `op` if not)."""
         if full.numel() != shard.numel() * self.world_size:
-            raise CommError(
-                f"{op}: full tensor has {full.numel()} elements, expected world_size "
-                f"({self.world_size}) x shard ({shard.numel()}); this is a zeroshard bug, please report it."
-            )
+            raise CommError(f"{op}: full tensor has {full.numel()} elements, expected world_size ({self.world_size}) "
+                            f"x shard ({shard.numel()}); this is a zeroshard bug, please report it.")

@@ -14,7 +14,7 @@ as its own call, on its own group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -45,21 +45,6 @@ class OpTotals:
     sent_bytes: int = 0
     seconds: float = 0.0
 
-    def as_dict(self) -> dict[str, float | int]:
-        return {"calls": self.calls, "elements": self.elements, "bytes": self.bytes,
-                "sent_bytes": self.sent_bytes, "seconds": self.seconds}
-
-
-class _Both:
-    """The overall and the per-scope entry of one call: time is added to both."""
-
-    def __init__(self, entries: tuple[OpTotals, OpTotals]) -> None:
-        self._entries = entries
-
-    def add_seconds(self, seconds: float) -> None:
-        for t in self._entries:
-            t.seconds += seconds
-
 
 class CommLedger:
     """Cumulative totals per collective since the last `reset()`."""
@@ -69,10 +54,10 @@ class CommLedger:
         self.reset()
 
     def record(self, op: str, dtype: torch.dtype, elements: int, world_size: int | None = None,
-               scope: str = INTER_NODE, wire_bytes: int | None = None) -> "_Both":
+               scope: str = INTER_NODE, wire_bytes: int | None = None) -> tuple[OpTotals, OpTotals]:
         """Count one call of `elements` logical elements on a group of `world_size` ranks
         (`wire_bytes`: what the whole tensor weighs on the wire, if not dtype x elements).
-        Returns the entries so the caller can add its time later."""
+        Returns its overall and per-scope entries, so the caller can add its time to both later."""
         n = self.world_size if world_size is None else world_size
         nbytes = elements * torch.empty((), dtype=dtype).element_size() if wire_bytes is None else wire_bytes
         entries = (self._totals[op], self._scoped[scope][op])
@@ -81,7 +66,7 @@ class CommLedger:
             t.elements += elements
             t.bytes += nbytes
             t.sent_bytes += ring_sent_bytes(op, nbytes, n)
-        return _Both(entries)
+        return entries
 
     def reset(self) -> None:
         self._totals = {op: OpTotals() for op in COLLECTIVES}
@@ -91,8 +76,8 @@ class CommLedger:
         """{op: {calls, elements, bytes, sent_bytes, seconds}}; with `by_scope`,
         {"intra_node": {op: ...}, "inter_node": {op: ...}} with the same fields."""
         if by_scope:
-            return {scope: {op: t.as_dict() for op, t in ops.items()} for scope, ops in self._scoped.items()}
-        return {op: t.as_dict() for op, t in self._totals.items()}
+            return {scope: {op: asdict(t) for op, t in ops.items()} for scope, ops in self._scoped.items()}
+        return {op: asdict(t) for op, t in self._totals.items()}
 
     def paper_elements(self) -> int:
         """Volume in the ZeRO paper's units (all-reduce counts twice its elements)."""

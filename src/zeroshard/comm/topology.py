@@ -8,6 +8,7 @@ It remembers whether it created the group, and only then destroys it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import importlib
 import os
@@ -75,10 +76,6 @@ class Topology:
         return self.backend != "none"
 
     # -- nodes: torchrun's LOCAL_WORLD_SIZE consecutive ranks ---------------------------------
-    @property
-    def nodes(self) -> int:
-        return max(1, self.world_size // self.local_world_size)
-
     @property
     def node(self) -> int:
         return self.node_of(self.rank)
@@ -179,10 +176,8 @@ _IMPORT_BEFORE_GROUP = ("torch._dynamo",)
 
 def _import_lazy_torch_modules() -> None:
     for name in _IMPORT_BEFORE_GROUP:
-        try:
+        with contextlib.suppress(ImportError):  # a torch build without it has nothing to capture the group either
             importlib.import_module(name)
-        except ImportError:  # a torch build without it has nothing to capture the group either
-            pass
 
 
 def _destroy_at_exit() -> None:
@@ -215,10 +210,8 @@ def setup_topology(timeout_s: float) -> Topology:
     if not dist.is_initialized():
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and missing:
-            raise CommError(
-                f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: "
-                "launch with `torchrun` (or `zeroshard launch`), which sets all of them."
-            )
+            raise CommError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: "
+                            "launch with `torchrun` (or `zeroshard launch`), which sets all of them.")
         if missing:
             return Topology(0, 1, 0, 1, _device_for(local_rank, "none"), "none", False)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -236,13 +229,6 @@ def setup_topology(timeout_s: float) -> Topology:
     if not owns:  # a collective: every rank of the user's group makes it at the same point
         group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
         _own_groups.append(group)
-    return Topology(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=local_rank,
-        local_world_size=min(local_world, dist.get_world_size()),
-        device=device,
-        backend=str(backend),
-        owns_group=owns,
-        group=group,
-    )
+    return Topology(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                    local_world_size=min(local_world, dist.get_world_size()), device=device, backend=str(backend),
+                    owns_group=owns, group=group)

@@ -52,14 +52,7 @@ class ZeroshardAccelerator:
     def is_synchronized_device(self) -> bool:
         return not self._cuda
 
-    def use_host_timers(self) -> bool:
-        return self.is_synchronized_device()
-
-    def resolves_data_dependency(self) -> bool:
-        return self.is_synchronized_device()
-
-    def handles_memory_backpressure(self) -> bool:
-        return self.is_synchronized_device()
+    use_host_timers = resolves_data_dependency = handles_memory_backpressure = is_synchronized_device
 
     def communication_backend_name(self) -> str:
         return "nccl" if self._cuda else "gloo"

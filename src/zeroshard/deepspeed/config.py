@@ -13,10 +13,7 @@ from zeroshard.policies import ConfigError
 
 log = logging.getLogger("zeroshard")
 
-__all__ = ["SHIM_KEYS", "client_config", "resolve_config", "unsupported"]
-
-# keys DeepSpeed's engine acts on that zeroshard's own config leaves to the shim
-SHIM_KEYS = ("dataloader_drop_last",)
+__all__ = ["client_config", "resolve_config", "unsupported"]
 
 
 def resolve_config(args: Any, config: Any, config_params: Any) -> dict[str, Any]:

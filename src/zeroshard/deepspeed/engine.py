@@ -8,12 +8,12 @@ DeepSpeed's arguments and return values; each method says how.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from typing import Any
-
 import weakref
+from typing import Any
 
 from torch import nn
 
@@ -58,10 +58,8 @@ class DeepSpeedEngine(nn.Module):
     def __getattr__(self, name: str) -> Any:  # only for names not found the normal way
         if name in ("_parameters", "_buffers", "_modules") or name.startswith("__"):
             return super().__getattr__(name)
-        try:
+        with contextlib.suppress(AttributeError):
             return super().__getattr__(name)  # a submodule, parameter or buffer
-        except AttributeError:
-            pass
         engine = self.__dict__.get("zeroshard")
         if engine is None or not hasattr(engine, name):
             raise AttributeError(f"DeepSpeedEngine.{name} is not served by zeroshard.deepspeed (see "
@@ -105,11 +103,6 @@ class DeepSpeedEngine(nn.Module):
         object.__setattr__(self, "_step_applied", applied)
         if boundary:
             engine.optimizer.overflow = not applied
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """The caller (Accelerate, Trainer) says whether the next backward ends an accumulation
-        window; the optimizer steps exactly at the windows it announces (see Engine)."""
-        self.zeroshard.set_gradient_accumulation_boundary(is_boundary)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last optimizer step (the engine zeroes them
@@ -183,9 +176,6 @@ class DeepSpeedEngine(nn.Module):
     def config(self) -> dict:
         """The DeepSpeed config dict this engine was built from (Trainer reads it)."""
         return self._config
-
-    def get_lr(self) -> list[float]:
-        return self.zeroshard.get_lr()
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return bool(self.zeroshard.settings.zero.stage3.gather_16bit_weights_on_model_save)

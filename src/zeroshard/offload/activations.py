@@ -62,7 +62,7 @@ class _Saved:
 
     def __init__(self, seq: int, t: torch.Tensor) -> None:
         self.seq, self.shape, self.dtype, self.device = seq, t.shape, t.dtype, t.device
-        self.nbytes = t.numel() * t.element_size()
+        self.nbytes = t.nbytes
         self.tensor: torch.Tensor | None = None  # device / host copy (tiers none, cpu)
         self.event = None  # CUDA: the side-stream copy to the host is done
         self.path: str | None = None  # nvme: its file
@@ -222,7 +222,7 @@ class ActivationOffload:
     def _reclaim(self, block: bool) -> None:
         while self._writing and (block or self._writing[0][1].done()):
             buf, handle = self._writing.popleft()
-            self.io.wait(handle)
+            handle.wait()
             self._free.append(buf)
             block = False
 
@@ -242,7 +242,7 @@ class ActivationOffload:
 
     def _start_read(self, entry: _Saved) -> None:
         if entry.write is not None:
-            self.io.wait(entry.write)  # the bytes must be on disk before they are read
+            entry.write.wait()  # the bytes must be on disk before they are read
         buf = aligned_empty(entry.nbytes)
         entry.read = (buf, self.io.read(entry.path, buf, 0))
 
@@ -253,7 +253,7 @@ class ActivationOffload:
         else:
             self.hits += 1
         buf, handle = entry.read
-        self.io.wait(handle)
+        handle.wait()
         entry.read = None
         out = buf[:entry.nbytes].view(entry.dtype).view(entry.shape)
         self._live.pop(entry.seq, None)

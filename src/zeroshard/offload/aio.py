@@ -19,6 +19,7 @@ Nothing here knows about stages, buckets or optimizers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -56,10 +57,6 @@ def _view(t: torch.Tensor, start: int, length: int):
     return (ctypes.c_char * length).from_address(t.data_ptr() + start)
 
 
-def is_aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % ALIGN == 0 and (t.numel() * t.element_size()) % ALIGN == 0
-
-
 @dataclass(frozen=True)
 class AioSettings:
     """What the engine uses, from the `aio` block (see `from_policy`)."""
@@ -94,10 +91,8 @@ def probe_direct(folder: str) -> tuple[bool, str]:
     finally:
         if fd >= 0:
             os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 class Handle:
@@ -158,7 +153,6 @@ class IOEngine:
         self._fds: dict[str, tuple[int, int]] = {}  # path -> (buffered fd, direct fd or -1)
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
-        self.wait_s = 0.0  # time callers spent blocked in wait()
 
     def describe(self) -> str:
         s = self.settings
@@ -182,7 +176,9 @@ class IOEngine:
     def _fd(self, path: str, t: torch.Tensor, offset: int) -> tuple[int, int]:
         """(fd for this request, buffered fd): O_DIRECT when buffer, offset and length allow."""
         fd, dfd = self._fds[path]
-        return (dfd if dfd >= 0 and is_aligned(t) and offset % ALIGN == 0 else fd), fd
+        if dfd >= 0 and t.data_ptr() % ALIGN == 0 and t.nbytes % ALIGN == 0 and offset % ALIGN == 0:
+            return dfd, fd
+        return fd, fd
 
     def write(self, path: str, t: torch.Tensor, offset: int) -> Handle:
         return self._submit(path, t, offset, write=True)
@@ -193,7 +189,7 @@ class IOEngine:
     def _submit(self, path: str, t: torch.Tensor, offset: int, write: bool) -> Handle:
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("aio: the buffer must be a contiguous CPU tensor")
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         fd = self._fd(path, t, offset)
         block = piece_size(nbytes, self.settings)
         pieces = [(s, min(block, nbytes - s)) for s in range(0, nbytes, block)]
@@ -209,13 +205,8 @@ class IOEngine:
                 self.bytes_read += nbytes
         handle = Handle(futures, nbytes, what)
         if not self.settings.overlap:
-            self.wait(handle)
+            handle.wait()
         return handle
-
-    def wait(self, handle: Handle) -> int:
-        n = handle.wait()
-        self.wait_s += handle.wait_s
-        return n
 
     def _serial(self, fd, t, offset, pieces, write, path) -> None:
         for s, n in pieces:
@@ -256,10 +247,8 @@ class IOEngine:
             os.close(fds[0])
             if fds[1] >= 0:
                 os.close(fds[1])
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     def sync(self, path: str | None = None) -> None:
         """fsync one file of this engine, or all of them."""

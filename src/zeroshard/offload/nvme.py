@@ -17,6 +17,7 @@ Nothing here knows about stages, buckets or optimizers.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import logging
 import os
@@ -84,12 +85,14 @@ class NvmeTier(Tier):
         atexit.register(self.close)
 
     # -- start-up --------------------------------------------------------------------------------
-    def self_test(self, nbytes: int = 32 << 20) -> tuple[float, float]:
-        """Measured (write, read) GB/s of this folder's disk through the engine, once per process."""
+    def self_test_line(self, nbytes: int = 32 << 20) -> str:
+        """The start-up line of this folder's disk speed through the engine, measured once per process."""
         key = str(os.stat(self.folder).st_dev) + self.io.mode
         if key not in _SELFTESTS:
             _SELFTESTS[key] = self_test(self.io, nbytes)
-        return _SELFTESTS[key]
+        write_gbs, read_gbs = _SELFTESTS[key]
+        return (f"nvme self-test: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s"
+                + ("" if self.io.direct else " (buffered: reads may come from the page cache)"))
 
     def describe(self) -> str:
         return f"nvme ({self.folder}; {self.io.describe()})"
@@ -99,11 +102,9 @@ class NvmeTier(Tier):
         self-test, count the read-ahead pool in `ledger`; the start-up lines (also kept in
         `startup_lines`)."""
         space = check_space(self.folder, need, sharers)
-        write_gbs, read_gbs = self.self_test()
         lines = [f"nvme tier ({self.folder.rsplit('-', 1)[-1]}): {self.describe()}; {space}"
                  + (f"; removed {len(self.removed_stale)} stale run folder(s)" if self.removed_stale else ""),
-                 f"nvme self-test: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s"
-                 + ("" if self.io.direct else " (buffered: reads may come from the page cache)")]
+                 self.self_test_line()]
         if self.ahead is not None:
             self.ahead.ledger = ledger
             lines.append(f"nvme parameter read-ahead: {self.ahead.count} host buffer(s) (offload_param.buffer_count) "
@@ -134,20 +135,20 @@ class NvmeTier(Tier):
         return entry[0] if entry is not None and entry[1] is home else None
 
     def write(self, region: Region, t: torch.Tensor) -> Handle:
-        if t.numel() * t.element_size() > region.nbytes:
+        if t.nbytes > region.nbytes:
             raise ValueError("nvme tier: tensor larger than its region")
         return self.io.write(self.path, t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1),
                              region.offset)
 
     def read(self, region: Region, t: torch.Tensor) -> Handle:
-        if t.numel() * t.element_size() > region.nbytes:
+        if t.nbytes > region.nbytes:
             raise ValueError("nvme tier: tensor larger than its region")
         if not t.is_contiguous():
             raise ValueError("nvme tier: reads go into contiguous buffers")
         return self.io.read(self.path, t.view(-1), region.offset)
 
     def wait(self, handle: Handle) -> int:
-        return self.io.wait(handle)
+        return handle.wait()
 
     # -- the Tier interface ----------------------------------------------------------------------
     def place(self, tensor: torch.Tensor, copy: bool = False) -> torch.Tensor:
@@ -156,7 +157,7 @@ class NvmeTier(Tier):
         if self.region_of(tensor) is not None:
             return tensor
         t = tensor.detach().to("cpu").contiguous()
-        region = self.allocate(t.numel() * t.element_size())
+        region = self.allocate(t.nbytes)
         self.wait(self.write(region, t))
         home = placeholder(t.shape, t.dtype)
         self._regions[id(home)] = (region, home)
@@ -210,14 +211,10 @@ class NvmeTier(Tier):
             self.io.close()
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._lock_fd)
-            except OSError:
-                pass
-        try:
+        with contextlib.suppress(Exception):  # pragma: no cover - interpreter shutting down
             atexit.unregister(self.close)
-        except Exception:  # pragma: no cover - interpreter shutting down
-            pass
 
 
 class NvmeHome(Home):

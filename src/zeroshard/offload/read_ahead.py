@@ -75,7 +75,7 @@ class ReadAhead:
             self.after[self.context] = key
         self.context = (self.context[1], key)
         entry = self.inflight.pop(key, None)
-        nbytes = home.numel() * home.element_size()
+        nbytes = home.nbytes
         if entry is not None:
             buf, handle, writing = entry
             if not writing:
@@ -186,7 +186,7 @@ class ReadAhead:
         """Start writing `work` into `home`'s region without waiting for it; False when `home`
         is too large for the pool (the caller writes it directly)."""
         key = id(home)
-        nbytes = home.numel() * home.element_size()
+        nbytes = home.nbytes
         if not self._size() or region.nbytes > self.buffer_bytes:
             return False
         value = work.detach().reshape(-1)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from zeroshard.offload.aio import Handle, after, align_up, aligned_empty
-from zeroshard.offload.nvme import NvmeTier, Region
+from zeroshard.offload.nvme import NvmeTier, Region, check_space
 from zeroshard.optim.first_state import first_state_in
 from zeroshard.partition.flat_bucket import placeholder
 from zeroshard.partition import MemoryLedger
@@ -196,7 +196,7 @@ class SwapPipeline:
             requests += [(self._state_region(b, name), view) for name, view in zip(self.state_names(b), views[1:])]
         if behind_writes and slot.writes:
             slot.reads.append(after(slot.writes, lambda: [self.tier.read(r, v) for r, v in requests],
-                                    sum(v.numel() * v.element_size() for _, v in requests), f"read of sub-group {k}"))
+                                    sum(v.nbytes for _, v in requests), f"read of sub-group {k}"))
         else:
             slot.reads += [self.tier.read(r, v) for r, v in requests]
 
@@ -291,13 +291,13 @@ class SwapPipeline:
         self.tier.wait(self.tier.read(self._state_region(b, name), out))
         return out
 
+    @contextlib.contextmanager
     def resident(self, b: int):
         """Bucket b's master and states in memory for in-place edits (fresh tensors read from the
         file and written back on exit, where bucket b is swapped)."""
-        return self._resident(b) if self.swapped[b] else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _resident(self, b: int):
+        if not self.swapped[b]:
+            yield
+            return
         self.drain()
         m = self.masters[b]
         state = self.optimizer.state.get(m, {})
@@ -351,20 +351,17 @@ def prepare_disk(tier: NvmeTier, sizes: list[int], build, group_options: list[di
     states of the `sizes` shards, aligned, plus `unwritten` bytes other files on this disk are
     still to take) checked against the free space, the I/O path's self-test, and the start-up
     lines saying what each knob became."""
-    from zeroshard.offload.nvme import check_space
-
     k = state_count(build, group_options[0] if group_options else {})
     need = sum(align_up(n * 4) for n in sizes) * (1 + k) + unwritten
     space = check_space(tier.folder, need, sharers)
-    write_gbs, read_gbs = tier.self_test()
+    self_test = tier.self_test_line()
     _, buffers = buffer_plan(policy.buffer_count)
     lines = [f"nvme tier: {tier.describe()}",
              f"nvme optimizer files: {len(sizes)} shard(s), master + {k} state(s) each; {space}"
              + (f" (counting {unwritten / 2**30:.2f} GiB of parameter shards still to be written there)"
                 if unwritten else "")
              + (f"; removed {len(tier.removed_stale)} stale run folder(s)" if tier.removed_stale else ""),
-             f"nvme self-test: write {write_gbs:.2f} GB/s, read {read_gbs:.2f} GB/s"
-             + ("" if tier.io.direct else " (buffered: reads may come from the page cache)"),
+             self_test,
              f"nvme swap: {buffers}",
              "offload_optimizer.pipeline_read/pipeline_write="
              f"{str(policy.pipeline_read).lower()}/{str(policy.pipeline_write).lower()}: zeroshard reads ahead and "

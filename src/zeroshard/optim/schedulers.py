@@ -18,6 +18,7 @@ optimizer's lr (of the first group), WarmupDecayLR's to 0.001.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -141,13 +142,6 @@ class WarmupCosineLR(_DeepSpeedSchedule):
 
 _SCHEDULERS: dict[str, type[LRScheduler]] = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
                                               "WarmupCosineLR": WarmupCosineLR}
-_VALID_KEYS: dict[str, frozenset[str]] = {
-    "WarmupLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}),
-    "WarmupDecayLR": frozenset({"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
-                                "warmup_type"}),
-    "WarmupCosineLR": frozenset({"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
-                                 "warmup_type"}),
-}
 _DEEPSPEED_NOT_YET = frozenset({"OneCycle", "LRRangeTest"})
 
 
@@ -158,12 +152,14 @@ def build_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> LR
     if spec.type not in _SCHEDULERS:
         raise ConfigError(f"unknown scheduler type {spec.type!r}; valid types: {sorted(_SCHEDULERS)}")
     params = dict(spec.params)
-    unknown = sorted(set(params) - _VALID_KEYS[spec.type])
+    keys = dict(inspect.signature(_SCHEDULERS[spec.type]).parameters)  # the constructor's, past the optimizer
+    keys.pop("optimizer")
+    unknown = sorted(set(params) - set(keys))
     if unknown:
-        raise ConfigError(f"scheduler {spec.type!r}: unknown parameter(s) {unknown}; "
-                          f"valid keys: {sorted(_VALID_KEYS[spec.type])}")
-    if "total_num_steps" in _VALID_KEYS[spec.type] and "total_num_steps" not in params:
-        raise ConfigError(f"scheduler {spec.type!r}: 'total_num_steps' is required")
+        raise ConfigError(f"scheduler {spec.type!r}: unknown parameter(s) {unknown}; valid keys: {sorted(keys)}")
+    missing = [k for k, p in keys.items() if p.default is p.empty and k not in params]
+    if missing:
+        raise ConfigError(f"scheduler {spec.type!r}: '{missing[0]}' is required")
     return _SCHEDULERS[spec.type](optimizer, **params)
 
 

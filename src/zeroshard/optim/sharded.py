@@ -21,7 +21,8 @@ where masters and states rest between steps; the step loop is the same for both.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator
+from collections import defaultdict
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -101,9 +102,7 @@ class ShardedOptimizer:
             grads = self._staging.finish(staged)
             if i + 1 < len(todo):  # the next sub-group's device->host copy overlaps this step
                 staged = self._staging.start(self._sub_groups[todo[i + 1]], grad_shard)
-            self.store.swap_in(k)  # nvme: and starts reading sub-group k+1
             self._step_sub_group(k, grads, scale, after_bucket)
-            self.store.swap_out(k)  # nvme: written while sub-group k+1 steps
         self.store.end_step()  # nvme: writes land during the next forward; the next step's first read starts
         self.forget_early()
         self._count_states()
@@ -146,13 +145,12 @@ class ShardedOptimizer:
         while self._queued:
             k, staged = self._queued.pop(0)
             grads = self._staging.finish(staged)
-            self.store.swap_in(k)  # nvme: and starts reading the sub-group expected next
             self._step_sub_group(k, grads, scale, after_bucket)
-            self.store.swap_out(k)
         self._count_states()  # a first step creates states: the ledger sees them when they exist
 
     def _step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float,
                         after_bucket: Callable[[int], None]) -> None:
+        self.store.swap_in(k)  # nvme: and starts reading the sub-group expected next
         indices = self._sub_groups[k]
         upcast = 0
         for b, g in zip(indices, grads):
@@ -169,6 +167,7 @@ class ShardedOptimizer:
                 self.buckets[b].write_shard(self.masters[b], asynchronous=True)
             after_bucket(b)
         self.memory.release("grads", "fp32_subgroup")
+        self.store.swap_out(k)  # nvme: written while the next sub-group steps
 
     # -- values of masters and states wherever they live (the NVMe tier keeps placeholders) --
     def master_value(self, b: int) -> torch.Tensor:
@@ -191,23 +190,18 @@ class ShardedOptimizer:
         """Finish pending I/O and remove the NVMe tier's files (nothing to do on other tiers)."""
         self.store.close()
 
-    def _state_tensors(self, master: torch.Tensor) -> Iterator[torch.Tensor]:
-        for value in self.optimizer.state.get(master, {}).values():
-            if torch.is_tensor(value) and value.dim() > 0:  # skip scalar step counters
-                yield value
-
     def _count_states(self) -> None:
         """Per tier. Masters that are the parameter shards themselves are counted as parameters."""
-        master_bytes: dict[str, int] = {}
-        state_bytes: dict[str, int] = {}
+        master_bytes: dict[str, int] = defaultdict(int)
+        state_bytes: dict[str, int] = defaultdict(int)
         for m, own, tier in zip(self.masters, self._separate, self.tiers):
             if own:
-                master_bytes[tier.name] = master_bytes.get(tier.name, 0) + m.numel() * m.element_size()
-            state_bytes[tier.name] = state_bytes.get(tier.name, 0) + sum(
-                t.numel() * t.element_size() for t in self._state_tensors(m))
+                master_bytes[tier.name] += m.nbytes
+            states = self.optimizer.state.get(m, {}).values()  # per-element ones: not the scalar step counters
+            state_bytes[tier.name] += sum(t.nbytes for t in states if torch.is_tensor(t) and t.dim() > 0)
         for name in {t.name for t in self.tiers}:
-            self.memory.hold("optimizer_states", f"master.{name}", master_bytes.get(name, 0), tier=name)
-            self.memory.hold("optimizer_states", f"states.{name}", state_bytes.get(name, 0), tier=name)
+            self.memory.hold("optimizer_states", f"master.{name}", master_bytes[name], tier=name)
+            self.memory.hold("optimizer_states", f"states.{name}", state_bytes[name], tier=name)
 
     def tier_summary(self) -> str:
         """'host 12.3M elements in 4 sub-group(s)', per tier, for the start-up lines."""
@@ -231,7 +225,6 @@ class ResidentStates:
     def swap_in(self, k: int) -> None: ...
     def swap_out(self, k: int) -> None: ...
     def end_step(self) -> None: ...
-    def drain(self) -> None: ...
     def after_load(self) -> None: ...
     def close(self) -> None: ...
 
@@ -314,6 +307,5 @@ class _GradStaging:
         if buf.numel() < numel or buf.dtype != dtype:
             buf = torch.empty(numel, dtype=dtype).pin_memory()
             self._buffers[self._turn] = buf
-            self._memory.hold("comm_buffers", f"grad_staging{self._turn}", buf.numel() * buf.element_size(),
-                              tier="host")
+            self._memory.hold("comm_buffers", f"grad_staging{self._turn}", buf.nbytes, tier="host")
         return buf

@@ -51,7 +51,7 @@ class BufferPool:
             free = self._free.get((numel, dtype), [])
             while free:
                 t = free.pop()
-                self._count(-t.numel() * t.element_size())
+                self._count(-t.nbytes)
                 if _sole_owner(t):
                     self.reused += 1
                     return t
@@ -60,12 +60,12 @@ class BufferPool:
     def give(self, t: torch.Tensor | None) -> None:
         """`t` (from `empty`) is no longer needed by its caller."""
         if t is None or not self._pooled(t.numel(), t.dtype, t.device) or t.storage_offset() != 0 \
-                or t.dim() != 1 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                or t.dim() != 1 or t.untyped_storage().nbytes() != t.nbytes:
             return
         free = self._free.setdefault((t.numel(), t.dtype), [])
         if len(free) < self.keep:
             free.append(t)
-            self._count(t.numel() * t.element_size())
+            self._count(t.nbytes)
 
     def clear(self) -> None:
         self._free.clear()

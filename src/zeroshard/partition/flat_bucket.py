@@ -30,14 +30,8 @@ def placeholder(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -
 
 
 class FlatBucket:
-    def __init__(
-        self,
-        layout: BucketLayout,
-        params: list[nn.Parameter],
-        shard_index: int,
-        memory: MemoryLedger,
-        key: str | None = None,
-    ) -> None:
+    def __init__(self, layout: BucketLayout, params: list[nn.Parameter], shard_index: int, memory: MemoryLedger,
+                 key: str | None = None) -> None:
         if len(params) != len(layout.slots):
             raise ValueError("one parameter per slot expected")
         self.layout = layout
@@ -50,7 +44,7 @@ class FlatBucket:
             view.copy_(param.detach())
             param.data = view
         self.memory = memory
-        memory.hold("params", self.key, self.data.numel() * self.data.element_size())
+        memory.hold("params", self.key, self.data.nbytes)
 
     def to_dtype(self, dtype: torch.dtype) -> None:
         """Re-home the parameters in a buffer of `dtype` (e.g. bf16 compute after fp32 init)."""
@@ -60,7 +54,7 @@ class FlatBucket:
         for view, param in zip(slot_views(data, self.layout), self.params):
             param.data = view
         self.data = data
-        self.memory.hold("params", self.key, data.numel() * data.element_size())
+        self.memory.hold("params", self.key, data.nbytes)
 
     @property
     def label(self) -> str:

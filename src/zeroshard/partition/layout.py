@@ -115,12 +115,8 @@ def pack(numels: Sequence[int], cap: int, keys: Sequence[Hashable] | None = None
     return done
 
 
-def plan_buckets(
-    params: Sequence[ParamInfo],
-    bucket_numel: int,
-    shard_count: int,
-    alignment: int = 1,
-) -> tuple[BucketLayout, ...]:
+def plan_buckets(params: Sequence[ParamInfo], bucket_numel: int, shard_count: int,
+                 alignment: int = 1) -> tuple[BucketLayout, ...]:
     """Pack `params` into buckets of at most `bucket_numel` elements (`pack`).
 
     Parameters are taken in reverse order, because backward produces gradients

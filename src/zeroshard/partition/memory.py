@@ -50,9 +50,6 @@ class MemoryLedger:
             self._tier_now[tier] -= nbytes
             self._split_now[(category, tier)] -= nbytes
 
-    def holds(self, category: str, key: str) -> bool:
-        return (category, key) in self._held
-
     def held(self, category: str, prefix: str = "") -> int:
         """Bytes of `category` held now under keys that start with `prefix` (all, without one)."""
         return sum(n for (c, k), (n, _) in self._held.items() if c == category and k.startswith(prefix))

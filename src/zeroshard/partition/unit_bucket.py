@@ -53,7 +53,7 @@ class UnitBucket(FlatBucket):
         """Keep only this rank's shard; from now on the full buffer exists only when gathered."""
         lo, hi = self.shard_range
         self._shard = self.data[lo:hi].clone()
-        self.memory.hold("params", self.key, self._shard.numel() * self._shard.element_size())
+        self.memory.hold("params", self.key, self._shard.nbytes)
         self._to_rest()  # the build's buffer is not pooled: no gather of this size may follow
 
     def shard(self) -> torch.Tensor:
@@ -69,7 +69,7 @@ class UnitBucket(FlatBucket):
         """Keep the at-rest shard on `tier` (offload_param); counted there by the ledger."""
         self._home = tier.home(self._shard)
         self._shard = self._home.tensor  # a placeholder on the nvme tier
-        self.memory.hold("params", self.key, self._shard.numel() * self._shard.element_size(), tier=tier.name)
+        self.memory.hold("params", self.key, self._shard.nbytes, tier=tier.name)
 
     def read_shard(self) -> torch.Tensor:
         return self._home.read() if self._home is not None else self.shard()
@@ -87,7 +87,7 @@ class UnitBucket(FlatBucket):
             return self.shard()
         work = self._home.fetch(self._device)
         if work.data_ptr() != self._shard.data_ptr():  # a device copy until the gather is bound
-            self.memory.hold("comm_buffers", f"{self.key}.fetch", work.numel() * work.element_size())
+            self.memory.hold("comm_buffers", f"{self.key}.fetch", work.nbytes)
         return work
 
     def start_gather(self, collective, what: str, source: torch.Tensor | None = None) -> None:
@@ -95,7 +95,7 @@ class UnitBucket(FlatBucket):
         `collective.all_gather` of `source`, by default this rank's shard on the device (hpZ passes
         its secondary and the hpZ group's comm). `finish_gather` binds the parameters to it."""
         full = empty_from(self.pool, self.layout.padded_numel, self._dtype, self._device)
-        self.memory.hold("params", f"{self.key}.full", full.numel() * full.element_size())
+        self.memory.hold("params", f"{self.key}.full", full.nbytes)
         self._gathering = (full, collective.all_gather(full, self.gather_input() if source is None else source,
                                                         what=what))
 
@@ -132,7 +132,7 @@ class UnitBucket(FlatBucket):
         partition, served to the hpZ group's backward gather), counted as parameters."""
         size = self.layout.padded_numel // parts
         self.secondary = full[index * size : (index + 1) * size].clone()
-        self.memory.hold("params", f"{self.key}.secondary", self.secondary.numel() * self.secondary.element_size())
+        self.memory.hold("params", f"{self.key}.secondary", self.secondary.nbytes)
 
     def drop_secondary(self) -> None:
         self.secondary = None
@@ -143,10 +143,7 @@ class UnitBucket(FlatBucket):
         A gather still in flight (a prefetch nobody used) is finished first: a collective is never
         abandoned half-way."""
         if self._gathering is not None:
-            full, handle = self._gathering
-            self._gathering = None
-            handle.wait()
-            self.data = full
+            self.finish_gather()
         if self.pool is not None:
             self.pool.give(self.data)
         self._to_rest()

@@ -30,17 +30,22 @@ def split_parameters(module: nn.Module) -> ModelParts:
     return ModelParts(names, trainable, frozen)
 
 
+def plan_layouts(params: list[nn.Parameter], names: dict[int, str], group_of: dict[int, int],
+                 dtypes: list[torch.dtype], bucket_numel: int, shard_count: int):
+    """The bucket layouts of `params`, each computing in its entry of `dtypes` (group 0 where
+    `group_of` has none), shards aligned for the smallest of those dtypes."""
+    if not params:
+        return ()
+    infos = [ParamInfo(names[id(p)], tuple(p.shape), str(t), group_of.get(id(p), 0)) for p, t in zip(params, dtypes)]
+    return plan_buckets(infos, bucket_numel, shard_count, alignment=alignment_for(min(t.itemsize for t in dtypes)))
+
+
 def build_buckets(parts: ModelParts, group_of: dict[int, int], bucket_numel: int, shard_count: int,
                   shard_index: int, memory: MemoryLedger, compute_dtype: torch.dtype) -> list[FlatBucket]:
-    """Buckets hold the parameters in their original dtype until `cast_buckets`; they are
+    """Buckets hold the parameters in their original dtype until `take_masters_and_cast`; they are
     grouped by the dtype they will compute in."""
-    if not parts.trainable:
-        return []
     target = [compute_dtype if p.is_floating_point() else p.dtype for p in parts.trainable]
-    infos = [ParamInfo(parts.names[id(p)], tuple(p.shape), str(t), group_of[id(p)])
-             for p, t in zip(parts.trainable, target)]
-    itemsize = min(torch.empty((), dtype=t).element_size() for t in target)
-    layouts = plan_buckets(infos, bucket_numel, shard_count, alignment=alignment_for(itemsize))
+    layouts = plan_layouts(parts.trainable, parts.names, group_of, target, bucket_numel, shard_count)
     return [FlatBucket(lay, [parts.trainable[s.index] for s in lay.slots], shard_index, memory) for lay in layouts]
 
 

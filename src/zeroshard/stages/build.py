@@ -40,8 +40,8 @@ from zeroshard.stages.gradients import (
     ScatteredGradients,
 )
 from zeroshard.stages.params import ParamPublisher, ParamStrategy, PartitionedParams, ReplicatedParams
-from zeroshard.stages.stage3 import Unit
-from zeroshard.stages.stage3_assembly import build_stage3, make_runtime
+from zeroshard.stages.stage3 import Stage3Runtime, Unit
+from zeroshard.stages.stage3_assembly import build_stage3, stage3_collectives
 
 
 @dataclass(frozen=True)
@@ -79,28 +79,27 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     plan = plan_optimizer(optimizer, settings.optimizer, parts.trainable, topology.device)
     offload = optimizer_offload_tier(zero.offload_optimizer, topology.device, settings.aio, topology.rank)
     writer = _early_masters(offload, settings, plan, topology.local_world_size)
-    units: list[Unit] = []
-    unit_rule = ""
     if stage3:
         s3 = build_stage3(module, parts, plan.group_of, settings, comm, memory, topology.device, writer, pool)
         buckets, masters, frozen, units, unit_rule = s3.trainable, s3.masters, s3.frozen, s3.units, s3.rule
-        _cast_rest(module, dtype)
-        grads = build_gradients(settings, buckets, comm, memory, pool)
-        publisher = ParamPublisher(buckets, comm, zero.allgather_bucket_size)
-        params: ParamStrategy = PartitionedParams(make_runtime(s3, comm, settings), publisher, s3.persistent)
     else:
         shards = shard_count_for(zero.stage, topology.world_size)
         buckets = build_buckets(parts, plan.group_of, zero.reduce_bucket_size, shards,
                                 topology.rank if shards > 1 else 0, memory, dtype)
         broadcast_model(module, buckets, comm)
         masters = take_masters_and_cast(buckets, dtype)
-        _cast_rest(module, dtype)
-        frozen = []
-        grads = build_gradients(settings, buckets, comm, memory, pool)
-        publisher = ParamPublisher(buckets, comm, zero.allgather_bucket_size)
+        frozen, units, unit_rule = [], [], ""
+    if dtype != torch.float32:
+        module.to(dtype)  # parameters outside buckets and buffers
+    grads = build_gradients(settings, buckets, comm, memory, pool)
+    publisher = ParamPublisher(buckets, comm, zero.allgather_bucket_size)
+    if stage3:
+        runtime = Stage3Runtime(units, zero.stage3, s3.external_users, stage3_collectives(comm, settings))
+        params: ParamStrategy = PartitionedParams(runtime, publisher, s3.persistent)
+    else:
         params = ReplicatedParams(publisher if grads.publishes_params else None)
     sharded = {id(p) for bucket in frozen for p in bucket.params}  # counted by their buckets
-    memory.hold("params", "frozen", sum(p.numel() * p.element_size() for p in parts.frozen if id(p) not in sharded))
+    memory.hold("params", "frozen", sum(p.nbytes for p in parts.frozen if id(p) not in sharded))
     # a sub-group's 16-bit gradients are upcast to fp32 together: at most one bucket's worth
     sub_group = min(zero.sub_group_size, zero.reduce_bucket_size)
     sizes = [b.shard().numel() for b in buckets]
@@ -117,11 +116,6 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     return Assembled(settings, parts, plan, buckets, frozen, grads, params, sharded_optimizer, units, unit_rule,
                      param_tiers, step_early, step_mode, host_threads,
                      HeapTrim(settings.runtime.trim_host_memory, host_in_use), nvme_lines)
-
-
-def _cast_rest(module: nn.Module, dtype: torch.dtype) -> None:
-    if dtype != torch.float32:
-        module.to(dtype)  # parameters outside buckets and buffers
 
 
 def _early_masters(offload, settings: Settings, plan: OptimizerPlan, sharers: int):
@@ -157,11 +151,8 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
                     memory: MemoryLedger, pool: BufferPool | None = None) -> BucketedGradients:
     """The gradient strategy of the stage."""
     zero = settings.zero
-    common = dict(
-        reduce_dtype=settings.precision.reduce.dtype,
-        overlap=zero.overlap_comm,
-        ignore_unused=zero.ignore_unused_parameters,
-    )
+    common = dict(reduce_dtype=settings.precision.reduce.dtype, overlap=zero.overlap_comm,
+                  ignore_unused=zero.ignore_unused_parameters)
     if zero.stage == Stage.DATA_PARALLEL:
         return AllReducedGradients(buckets, comm, memory, **common)
     if zero.stage == Stage.OPTIMIZER_STATES:

@@ -62,6 +62,7 @@ class BucketedGradients:
 
     partitioned = True  # grad shards differ per rank: the norm needs an all-reduce
     publishes_params = True  # params must be all-gathered after the optimizer step
+    reduces_every_micro_step = False  # else only at the accumulation boundary
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, memory: MemoryLedger,
                  reduce_dtype: torch.dtype, overlap: bool, ignore_unused: bool) -> None:
@@ -79,7 +80,7 @@ class BucketedGradients:
                        on_overlap: Callable[[], None] | None = None) -> None:
         """`on_final` / `on_overlap`: the engine's step during backward, at the boundary (see _MicroState)."""
         self._state = _MicroState(
-            reduce=self._reduces(boundary), boundary=boundary, first=first_micro,
+            reduce=boundary or self.reduces_every_micro_step, boundary=boundary, first=first_micro,
             ready=[set() for _ in self.buckets], launched=[False] * len(self.buckets),
             on_final=on_final if boundary else None, on_overlap=on_overlap if boundary else None,
         )
@@ -99,14 +100,11 @@ class BucketedGradients:
             for b in range(len(self.buckets)):
                 if not st.launched[b]:
                     self._launch(b)
-        self.wait_all()
+        while self._pending:
+            self._retire(self._pending.pop(0))
         if st.on_overlap is not None:
             st.on_overlap()
         self._state = _MicroState()  # a later backward outside the engine schedules nothing
-
-    def wait_all(self) -> None:
-        while self._pending:
-            self._retire(self._pending.pop(0))
 
     def remove_hooks(self) -> None:
         self._hooks.remove()
@@ -136,7 +134,7 @@ class BucketedGradients:
             full.mul_(1.0 / self.comm.world_size)
         wire = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
         if wire is not full:
-            self.memory.hold("comm_buffers", f"wire{b}", wire.numel() * wire.element_size())
+            self.memory.hold("comm_buffers", f"wire{b}", wire.nbytes)
         handle, land = self._collective(b, wire)
 
         def finish() -> None:
@@ -158,9 +156,6 @@ class BucketedGradients:
             self._state.on_final(pending.bucket)
 
     # -- what subclasses decide -------------------------------------------------------
-    def _reduces(self, boundary: bool) -> bool:
-        return boundary
-
     def _max_in_flight(self) -> int:
         return len(self.buckets)
 
@@ -196,11 +191,9 @@ class _PersistentGradients(BucketedGradients):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.grads = []
-        for bucket in self.buckets:
-            g = bucket.zeros_like_data()
-            self.grads.append(g)
-            self.memory.hold("grads", bucket.key, g.numel() * g.element_size())
+        self.grads = [bucket.zeros_like_data() for bucket in self.buckets]
+        for g, bucket in zip(self.grads, self.buckets):
+            self.memory.hold("grads", bucket.key, g.nbytes)
         self._views = [slot_views(g, bucket.layout) for g, bucket in zip(self.grads, self.buckets)]
         self._attach()
 
@@ -294,22 +287,19 @@ class PartitionedGradients(_Scatter, BucketedGradients):
     gradient into it on arrival; otherwise they stay in `param.grad` until the bucket is
     complete), and every micro-step reduces, so nothing full is kept across micro-steps."""
 
+    reduces_every_micro_step = True
+
     def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False,
                  max_in_flight: int = MAX_IN_FLIGHT, reducer=None, pool=None, **kwargs) -> None:
         self.contiguous, self.use_all_reduce, self.max_in_flight = contiguous, use_all_reduce, max_in_flight
         self.reducer, self.pool = reducer, pool  # pool: a BufferPool for the full buffers, or None
         super().__init__(*args, **kwargs)
-        self.shards = []
-        for bucket in self.buckets:
-            shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.dtype, device=bucket.device)
-            self.shards.append(shard)
-            self.memory.hold("grads", f"{bucket.key}.shard", shard.numel() * shard.element_size())
+        self.shards = [torch.zeros(b.layout.shard_numel, dtype=b.dtype, device=b.device) for b in self.buckets]
+        for shard, bucket in zip(self.shards, self.buckets):
+            self.memory.hold("grads", f"{bucket.key}.shard", shard.nbytes)
         self._full: dict[int, torch.Tensor] = {}
         self._written: dict[int, set[int]] = {}  # slots of each in-flight buffer already holding a gradient
         self._landed: set[int] = set()  # in-flight buckets whose reduction writes the accumulator itself
-
-    def _reduces(self, boundary: bool) -> bool:
-        return True
 
     def _max_in_flight(self) -> int:
         return self.max_in_flight
@@ -327,8 +317,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
             bucket = self.buckets[b]
             self._full[b] = empty_from(self.pool, bucket.layout.padded_numel, bucket.dtype, bucket.device)
             self._written[b] = set()
-            nbytes = self._full[b].numel() * self._full[b].element_size()
-            self.memory.hold("grads", f"{self.buckets[b].key}.full", nbytes)
+            self.memory.hold("grads", f"{bucket.key}.full", self._full[b].nbytes)
         return self._full[b]
 
     def _put(self, b: int, s: int, grad: torch.Tensor) -> None:
@@ -343,7 +332,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
     def _arrive(self, b: int, s: int, param: nn.Parameter) -> None:
         if not self.contiguous:
             key = f"{self.buckets[b].key}.{s}"
-            self.memory.hold("grads", key, param.grad.numel() * param.grad.element_size())
+            self.memory.hold("grads", key, param.grad.nbytes)
             return
         self._put(b, s, param.grad)
         param.grad = None

@@ -43,9 +43,6 @@ class Hooks:
             handle.remove()
         self._handles = []
 
-    def __len__(self) -> int:
-        return len(self._handles)
-
 
 def when_grad_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
     torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: fn(), mode="any")

@@ -95,18 +95,10 @@ class PartitionedParams:
 
     def __init__(self, runtime: Stage3Runtime, publisher: ParamPublisher, persistent: set[int]) -> None:
         self.runtime, self.publisher, self.persistent = runtime, publisher, persistent
-
-    def begin_forward(self) -> None:
-        self.runtime.begin_forward()
-
-    def end_forward(self) -> None:
-        self.runtime.end_forward()
-
-    def begin_backward(self) -> None:
-        self.runtime.begin_backward()
-
-    def end_backward(self) -> None:
-        self.runtime.end_backward()
+        # the phases and the hooks are the runtime's own
+        self.begin_forward, self.end_forward = runtime.begin_forward, runtime.end_forward
+        self.begin_backward, self.end_backward = runtime.begin_backward, runtime.end_backward
+        self.remove_hooks = runtime.remove_hooks
 
     def publish(self, b: int) -> None:
         if b in self.persistent:
@@ -120,13 +112,9 @@ class PartitionedParams:
         """The units holding `params` gathered and kept until the block ends (a collective)."""
         units = self.runtime.units_of(params)
         for unit in units:
-            self.runtime.gather(unit)
             self.runtime.pin(unit)
         try:
             yield
         finally:
             for unit in units:
                 self.runtime.unpin(unit)
-
-    def remove_hooks(self) -> None:
-        self.runtime.remove_hooks()

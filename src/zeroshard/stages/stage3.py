@@ -131,10 +131,10 @@ class Stage3Runtime:
 
     # -- phases, driven by the engine -------------------------------------------------
     def begin_forward(self) -> None:
-        if self._backward_pending and not torch.is_grad_enabled():
-            pass  # an evaluation between forward and backward: the pending step goes on
-        elif self._backward_pending:
-            self._finish_pass(record=False)  # the last forward never got a backward
+        # the last forward never got a backward (an evaluation in between, without grad, lets
+        # the pending step go on)
+        if self._backward_pending and torch.is_grad_enabled():
+            self._finish_pass(record=False)
         if not self._recording:
             self._on_trace = bool(self._trace)
         self.phase = Phase.FORWARD
@@ -157,9 +157,10 @@ class Stage3Runtime:
 
     def _finish_pass(self, record: bool) -> None:
         self._pinned.clear()
-        self.release_all()
-        if self.collectives.hpz is not None:
-            for unit in self.units:
+        for unit in self.units:
+            unit.users = 0
+            self._release(unit)
+            if self.collectives.hpz is not None:  # the secondaries serve one pass only
                 for bucket in unit.buckets:
                     bucket.drop_secondary()
         if record and self._recording and self._recording != self._trace:
@@ -169,11 +170,6 @@ class Stage3Runtime:
         self._recording = []
         self._backward_pending = False
         self.phase = Phase.IDLE
-
-    def release_all(self) -> None:
-        for unit in self.units:
-            unit.users = 0
-            self._release(unit)
 
     def remove_hooks(self) -> None:
         self._hooks.remove()
@@ -292,8 +288,7 @@ class Stage3Runtime:
         rest of this pass, and from now on gather it around that module's forward too."""
         unit = self._unit_of_param[id(param)]
         reader = self._active[-1] if self._active else None
-        self.gather(unit)
-        self._pinned.add(unit.index)
+        self.pin(unit)
         if reader is not None and (id(reader), unit.index) not in self._external:
             self._external.add((id(reader), unit.index))
             self._register(reader, unit)
@@ -307,7 +302,8 @@ class Stage3Runtime:
         return [self.units[i] for i in sorted(units)]
 
     def pin(self, unit: Unit) -> None:
-        """Keep `unit` gathered until `unpin` (GatheredParameters)."""
+        """Gather `unit` (a collective) and keep it so until `unpin` or the end of the pass."""
+        self.gather(unit)
         self._pinned.add(unit.index)
 
     def unpin(self, unit: Unit) -> None:
@@ -323,8 +319,7 @@ class Stage3Runtime:
         hooks; if it is not (released early for max_live_parameters), gather it now for the pass."""
         unit = self._unit_of_param[id(param)]
         if unit.state is not UnitState.GATHERED:
-            self.gather(unit)
-            self._pinned.add(unit.index)
+            self.pin(unit)
 
     def is_released(self, param) -> bool:
         unit = self._unit_of_param.get(id(param))
@@ -345,9 +340,8 @@ class Stage3Runtime:
         return output
 
     def _pre_backward(self, unit: Unit) -> None:
-        if self.phase is not Phase.BACKWARD:
-            return
-        self._use(unit)
+        if self.phase is Phase.BACKWARD:
+            self._use(unit)
 
     def _post_backward(self, unit: Unit) -> None:
         """Gradients w.r.t. the unit's inputs are computed: its backward is over. (A unit whose

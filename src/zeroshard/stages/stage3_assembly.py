@@ -11,16 +11,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.stages.assembly import ModelParts, broadcast_model, take_masters_and_cast
+from zeroshard.stages.assembly import ModelParts, broadcast_model, plan_layouts, take_masters_and_cast
 from zeroshard.partition.param_shards import forget, materialize
 from zeroshard.comm import Comm, QuantizedAllGather
 from zeroshard.offload import make_tier
-from zeroshard.partition import FlatBucket, MemoryLedger, ParamInfo, plan_buckets
+from zeroshard.partition import FlatBucket, MemoryLedger
 from zeroshard.partition.buffer_pool import BufferPool
 from zeroshard.partition.layout import alignment_for
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import ConfigError, OffloadDevice, Settings
-from zeroshard.stages.stage3 import Stage3Collectives, Stage3Runtime, Unit
+from zeroshard.stages.stage3 import Stage3Collectives, Unit
 from zeroshard.stages.units import plan_stage3
 
 WHOLE_UNIT = 2**62  # a unit's parameters of one dtype and group form one bucket
@@ -35,12 +35,6 @@ class Stage3Parts:
     units: list[Unit]
     external_users: dict[int, list[nn.Module]]
     rule: str = ""  # how the units were chosen
-
-
-def _layouts(params, names, group_of, bucket_numel, shards, dtype):
-    infos = [ParamInfo(names[id(p)], tuple(p.shape), str(dtype), group_of.get(id(p), 0)) for p in params]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return plan_buckets(infos, bucket_numel, shards, alignment=alignment_for(itemsize))
 
 
 def _full_values(model: nn.Module, params: list[nn.Parameter], comm: Comm, device: torch.device) -> bool:
@@ -78,9 +72,10 @@ def _shard_sizes_estimate(plan, world: int, alignment: int) -> list[int]:
 def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], settings: Settings,
                  comm: Comm, memory: MemoryLedger, device: torch.device, masters_to=None,
                  pool: BufferPool | None = None) -> Stage3Parts:
-    """`pool` reuses the units' full buffers between gathers. `masters_to`, when given, takes each fp32 master as soon as its unit is built and returns
-    what to keep in its place (`optim.nvme_swap.MasterWriter`: a placeholder, the values in a
-    file); its `prepare(sizes)` runs first, on the estimated shard sizes."""
+    """`pool` reuses the units' full buffers between gathers. `masters_to`, when given, takes
+    each fp32 master as soon as its unit is built and returns what to keep in its place
+    (`optim.nvme_swap.MasterWriter`: a placeholder, the values in a file); its
+    `prepare(sizes)` runs first, on the estimated shard sizes."""
     dtype = settings.precision.compute.dtype
     rank, world = comm.rank, comm.world_size
     plan = plan_stage3(model, settings.zero.stage3, settings.zero.stage3.min_unit_params)
@@ -90,8 +85,9 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
     param_files = None
     if param_tier is not None and param_tier.name == "nvme":  # space checked before any shard is written
         need = sum(p.numel() * dtype.itemsize for up in plan.units for p in up.params) // world
-        param_tier.prepare(need + 4096 * 2 * len(plan.units), comm.topology.local_world_size, memory)
-        param_files = (param_tier.folder, need + 4096 * 2 * len(plan.units))
+        need += 4096 * 2 * len(plan.units)
+        param_tier.prepare(need, comm.topology.local_world_size, memory)
+        param_files = (param_tier.folder, need)
     if masters_to is not None:  # and the masters' (with the parameters' when on the same disk)
         masters_to.prepare(_shard_sizes_estimate(plan, world, alignment_for(4)), param_files)
     keep = (lambda ms: ms) if masters_to is None else (lambda ms: [m if m is None else masters_to(m) for m in ms])
@@ -104,8 +100,8 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
         buckets: list[UnitBucket] = []
         for kind, params in (("t", [p for p in up.params if p.requires_grad]),
                              ("f", [p for p in up.params if not p.requires_grad])):
-            for lay in (_layouts(params, parts.names, group_of if kind == "t" else {}, WHOLE_UNIT, world, dtype)
-                        if params else ()):
+            groups = group_of if kind == "t" else {}  # frozen parameters are in no optimizer group
+            for lay in plan_layouts(params, parts.names, groups, [dtype] * len(params), WHOLE_UNIT, world):
                 buckets.append(UnitBucket(lay, [params[s.index] for s in lay.slots], rank, memory,
                                           name=up.name, key=f"unit{i}.{kind}{lay.index}", pool=pool))
         if not agreed:
@@ -128,7 +124,8 @@ def build_stage3(model: nn.Module, parts: ModelParts, group_of: dict[int, int], 
     if persistent:
         agreed = _full_values(model, persistent, comm, device)
         whole = [FlatBucket(lay, [persistent[s.index] for s in lay.slots], rank, memory, key=f"persistent{lay.index}")
-                 for lay in _layouts(persistent, parts.names, group_of, settings.zero.reduce_bucket_size, world, dtype)]
+                 for lay in plan_layouts(persistent, parts.names, group_of, [dtype] * len(persistent),
+                                         settings.zero.reduce_bucket_size, world)]
         if not agreed:
             broadcast_model(model, whole, comm, loose=False)
         masters += keep(take_masters_and_cast(whole, dtype))
@@ -153,10 +150,6 @@ def _place_rest(model: nn.Module, in_buckets: set[int], comm: Comm, device: torc
             t.data = t.data.to(device)
         if comm.world_size > 1:
             comm.broadcast(t.data, 0, what=f"initial value of {name}").wait()
-
-
-def make_runtime(parts: Stage3Parts, comm: Comm, settings: Settings) -> Stage3Runtime:
-    return Stage3Runtime(parts.units, settings.zero.stage3, parts.external_users, stage3_collectives(comm, settings))
 
 
 def stage3_collectives(comm: Comm, settings: Settings) -> Stage3Collectives:

@@ -9,16 +9,12 @@ from zeroshard.partition import FlatBucket
 from zeroshard.stages.train_state import TrainState
 
 
-def full_fp32_buckets(buckets: list[FlatBucket], masters, comm: Comm, sharded: bool):
-    """Yield (bucket, full fp32 buffer) one bucket at a time: peak = one bucket in fp32."""
-    for bucket, master in zip(buckets, masters):
-        if not sharded:
-            yield bucket, master
-            continue
-        device = bucket.device  # a host master (offload) is gathered from the device: NCCL needs it there
-        full = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=device)
-        comm.all_gather(full, master.to(device), what=f"full state dict, bucket {bucket.layout.index}").wait()
-        yield bucket, full
+def gather_fp32(bucket: FlatBucket, shard: torch.Tensor, comm: Comm, what: str) -> torch.Tensor:
+    """The bucket's full fp32 buffer from every rank's `shard` of it (a collective), on the
+    bucket's device: a host shard (offload) is gathered from there, as NCCL needs."""
+    full = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=bucket.device)
+    comm.all_gather(full, shard.float().to(bucket.device), what=what).wait()
+    return full
 
 
 def full_state_dict(ts: TrainState, sharded: bool) -> dict[str, torch.Tensor]:
@@ -28,8 +24,10 @@ def full_state_dict(ts: TrainState, sharded: bool) -> dict[str, torch.Tensor]:
     where = {id(p): (bucket, slot) for bucket in [*ts.buckets, *ts.frozen_buckets]
              for slot, p in zip(bucket.slots, bucket.params)}
     full_of: dict[int, torch.Tensor] = {}
-    masters = (ts.optimizer.master_value(b) for b in range(len(ts.buckets)))  # one at a time (nvme)
-    for bucket, full in full_fp32_buckets(ts.buckets, masters, ts.comm, sharded):
+    for b, bucket in enumerate(ts.buckets):
+        full = ts.optimizer.master_value(b)  # one at a time (nvme: read from its file)
+        if sharded:
+            full = gather_fp32(bucket, full, ts.comm, f"full state dict, bucket {bucket.layout.index}")
         full_of[id(bucket)] = full.cpu()
     for bucket in ts.frozen_buckets:
         with bucket.whole(ts.comm, f"full state dict, frozen unit '{bucket.name}'") as full:

@@ -10,6 +10,8 @@ the unit is gathered around that module's forward too.
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -127,13 +129,8 @@ def _repeated_children(model: nn.Module) -> dict[int, nn.Module]:
 
     def visit(module: nn.Module) -> None:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            counts: dict[type, int] = {}
-            for child in module.children():
-                if any(True for _ in child.parameters()):
-                    counts[type(child)] = counts.get(type(child), 0) + 1
-            repeated = [c for c in module.children() if counts.get(type(c), 0) >= 2]
-            for child in repeated:
-                blocks[id(child)] = child
+            counts = Counter(type(c) for c in module.children() if any(True for _ in c.parameters()))
+            blocks.update((id(c), c) for c in module.children() if counts[type(c)] >= 2)
             rest = [c for c in module.children() if id(c) not in blocks]
         else:
             rest = list(module.children())
@@ -149,13 +146,8 @@ def _persistent(model: nn.Module, policy: Stage3Policy) -> set[int]:
     up to model_persistence_threshold elements in all."""
     small = sorted(_dedup([p for p in model.parameters() if p.numel() <= policy.param_persistence_threshold]),
                    key=lambda p: p.numel())
-    kept, total = set(), 0
-    for p in small:
-        if total + p.numel() > policy.model_persistence_threshold:
-            break
-        kept.add(id(p))
-        total += p.numel()
-    return kept
+    running = itertools.accumulate(p.numel() for p in small)  # sizes ascending: it passes the limit once
+    return {id(p) for p, total in zip(small, running) if total <= policy.model_persistence_threshold}
 
 
 def _find_external_users(model: nn.Module, units: list[UnitPlan], owner: dict[int, UnitPlan]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.policies import ConfigError
+from zeroshard.stages.state_dict import gather_fp32
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_set_full_fp32_param"]
@@ -37,29 +38,28 @@ def _locate(param: torch.Tensor):
 
 
 def _param_part(engine, b: int, slot, shard: torch.Tensor, what: str) -> torch.Tensor:
-    bucket = engine.buckets[b]
     if engine.grads.partitioned:
-        full = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=bucket.device)
-        engine.comm.all_gather(full, shard.float().to(bucket.device), what=f"{what} of {slot.name}").wait()
+        full = gather_fp32(engine.buckets[b], shard, engine.comm, f"{what} of {slot.name}")
     else:
         full = shard.float()
     return full[slot.offset : slot.end].view(slot.shape).cpu().clone()
 
 
-def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+def _full(param: torch.Tensor, shard_of, what: str) -> torch.Tensor | None:
+    """The parameter's part of the bucket whose shards `shard_of(engine, b)` gives; None if frozen."""
     where = _locate(param)
     if where is None:
         return None
     engine, b, slot = where
-    return _param_part(engine, b, slot, engine.optimizer.master_value(b), "safe_get_full_fp32_param")
+    return _param_part(engine, b, slot, shard_of(engine, b), what)
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    return _full(param, lambda engine, b: engine.optimizer.master_value(b), "safe_get_full_fp32_param")
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
-    where = _locate(param)
-    if where is None:
-        return None
-    engine, b, slot = where
-    return _param_part(engine, b, slot, engine.grads.grad_shard(b), "safe_get_full_grad")
+    return _full(param, lambda engine, b: engine.grads.grad_shard(b), "safe_get_full_grad")
 
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
