@@ -242,8 +242,8 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
             notes.append(f"fp32 on a GPU: the optimizer offload keeps a separate fp32 master on the host "
                          f"(K = {s.k_on(host=True)} there); on a CPU-only machine (host is device) K = {s.k}")
     elif s.offload_optimizer == OffloadDevice.NVME:
-        # ZeRO-Infinity (DeepSpeed's model; zeroshard has no NVMe tier yet): the fp32 gradient
-        # partition is swapped out with the states, from stage 2 no device gradient is kept.
+        # ZeRO-Infinity (DeepSpeed's model of it): the fp32 gradient partition is swapped out with
+        # the states, from stage 2 no device gradient is kept.
         if st >= Stage.GRADIENTS:
             grads = 0
         nvme += opt + FP32_BYTES * own
