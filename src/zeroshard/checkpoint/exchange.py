@@ -56,8 +56,3 @@ def agreed(comm, device: torch.device, doing: str) -> Iterator[None]:
     except BaseException as exc:
         error = exc
     agree(comm, error, device, doing)
-
-
-def barrier(comm, device: torch.device, what: str) -> None:
-    if comm.world_size > 1:
-        comm.all_reduce(torch.zeros(1, device=device), what=what).wait()

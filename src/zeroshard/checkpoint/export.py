@@ -167,16 +167,13 @@ def save_16bit_model(engine, save_dir: str | os.PathLike, max_shard_size: int | 
                 "set zero_optimization.stage3_gather_16bit_weights_on_model_save to true, or call "
                 "engine.save_checkpoint(dir) and run `zeroshard export dir OUT --dtype bf16`, which consolidates "
                 "the shards without gathering the model on any rank. Nothing was written")
-    if stage3:
-        return _save_16bit_stage3(ts, os.fspath(save_dir), max_shard_size)
-    written: list[str] = []
-    with agreed(ts.comm, ts.device, "save_16bit_model"):
-        if ts.rank == 0:
-            entries = [Entry(name, tuple(t.shape), t.dtype, (lambda t=t: t.detach()))
-                       for name, t in ts.module.state_dict().items()]
-            config = _config_for(model_config(ts.module), ts.compute_dtype, type(ts.module).__name__)
-            written = write_model(os.fspath(save_dir), entries, max_shard_size, config)
-    return written
+    entries, finish = stream_entries(ts, ts.module.state_dict(keep_vars=True).items(),
+                                     list(ts.buckets) + list(ts.frozen_buckets), gather=stage3)
+
+    def write() -> list[str]:
+        config = _config_for(model_config(ts.module), ts.compute_dtype, type(ts.module).__name__)
+        return write_model(os.fspath(save_dir), entries, max_shard_size, config)
+    return write_streamed(ts, write, finish, "save_16bit_model")
 
 
 class _BucketStream:
@@ -250,13 +247,3 @@ def write_streamed(ts, write: Callable[[], list[str]], finish: Callable[[], None
     finish()
     agree(ts.comm, error, ts.device, doing)
     return written
-
-
-def _save_16bit_stage3(ts, save_dir: str, max_shard_size: int | str) -> list[str]:
-    entries, finish = stream_entries(ts, ts.module.state_dict(keep_vars=True).items(),
-                                     list(ts.buckets) + list(ts.frozen_buckets), gather=True)
-
-    def write() -> list[str]:
-        config = _config_for(model_config(ts.module), ts.compute_dtype, type(ts.module).__name__)
-        return write_model(save_dir, entries, max_shard_size, config)
-    return write_streamed(ts, write, finish, "save_16bit_model")

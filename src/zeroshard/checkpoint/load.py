@@ -54,6 +54,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                 load_module_tensors(reader, ts)
                 if load_optimizer_states:
                     load_optimizer(reader, ts)
+            for counter in ("global_steps", "micro_steps", "skipped_steps"):
+                setattr(ts.counters, counter, int(reader.meta[counter]))
             if isinstance(reader, DeepSpeedCheckpoint):
                 deepspeed_resume.apply_training_state(reader, ts, load_optimizer_states, load_lr_scheduler_states)
             else:
@@ -215,12 +217,9 @@ def _json_state(reader: CheckpointReader, bucket, name: str) -> Any:
     raise CheckpointError(f"{reader.meta_path}: optimizer state {name!r} not found in the rank files")
 
 
-# -- counters, scheduler, scaler, RNG --------------------------------------------------------------------
+# -- scheduler, scaler, RNG (load_checkpoint sets the counters) ----------------------------------------
 def _load_training_state(reader: CheckpointReader, ts, optimizer_states: bool, scheduler_states: bool) -> None:
     meta = reader.meta
-    ts.counters.global_steps = int(meta["global_steps"])
-    ts.counters.micro_steps = int(meta["micro_steps"])
-    ts.counters.skipped_steps = int(meta["skipped_steps"])
     if optimizer_states:
         ts.loss_scaler.load_state_dict(meta["loss_scaler"])
     sched, saved = ts.lr_scheduler, meta.get("lr_scheduler")

@@ -74,7 +74,27 @@ def read_meta(tag_dir: str) -> dict[str, Any]:
     return meta
 
 
-class CheckpointReader:
+class TensorIndex:
+    """What every checkpoint reader answers from its `tensors` and `tied` tables, and its use
+    in a `with` block (closed at the end)."""
+
+    tensors: dict[str, dict[str, Any]]
+    tied: dict[str, str]
+
+    def canonical(self, name: str) -> str:
+        return self.tied.get(name, name)
+
+    def numel(self, name: str) -> int:
+        return math.prod(int(d) for d in self.tensors[self.canonical(name)]["shape"])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CheckpointReader(TensorIndex):
     def __init__(self, path: str | os.PathLike, tag: str | None = None) -> None:
         self.dir = resolve(path, tag)
         self.meta = read_meta(self.dir)
@@ -114,12 +134,6 @@ class CheckpointReader:
         return path
 
     # -- reading --------------------------------------------------------------------------------
-    def canonical(self, name: str) -> str:
-        return self.tied.get(name, name)
-
-    def numel(self, name: str) -> int:
-        return math.prod(self.tensors[self.canonical(name)]["shape"])
-
     def read(self, name: str, field: str = "value", lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements [lo, hi) of `name`'s flattened `field`: "value" (the fp32 master of a
         trainable parameter, else the saved tensor) or "optim.<state>"."""
@@ -194,9 +208,3 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._open.clear()
-
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -52,7 +52,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise CheckpointError(f"keep_last must be a positive integer, got {keep_last!r}")
         if ts.rank == 0:
-            _prepare(save_dir, tmp)
+            prepare_tag(save_dir, tmp)
 
     table = name_table_of(ts)
     record: dict[str, Any] = {}
@@ -75,7 +75,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
             raise CheckpointError(f"saving checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
         if ts.rank == 0:
             meta = _meta(ts, tag, table, part, records, client)
-            _commit(save_dir, tmp, tag, meta, keep_last)
+            commit_tag(save_dir, tmp, tag, meta, keep_last)
     except BaseException as exc:
         error = exc
         if ts.rank == 0:
@@ -101,7 +101,8 @@ def check_space(save_dir: str, nbytes: int, sharers: int) -> None:
             "(--keep-last N / keep_last=N), or save elsewhere")
 
 
-def _prepare(save_dir: str, tmp: str) -> None:
+def prepare_tag(save_dir: str, tmp: str) -> None:
+    """Step 1 (module doc): `save_dir` made, leftovers of killed saves removed, `tmp` made."""
     try:
         os.makedirs(save_dir, exist_ok=True)
         for leftover in os.listdir(save_dir):  # a killed save's partial tag; never loadable
@@ -152,7 +153,8 @@ def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> d
     }
 
 
-def _commit(save_dir: str, tmp: str, tag: str, meta: dict[str, Any], keep_last: int | None) -> None:
+def commit_tag(save_dir: str, tmp: str, tag: str, meta: dict[str, Any], keep_last: int | None) -> None:
+    """Steps 3-5 (module doc): `meta` sealed into `tmp`, `tmp` renamed to `tag`, `latest` names it."""
     write_small(os.path.join(tmp, META), dumps(seal_meta(meta)))
     fsync_dir(tmp)
     faults.pause("written")

@@ -16,14 +16,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from zeroshard.estimate import (
-    GPUS, INTER_NODE_LINKS, Cluster, ModelShape, OffloadDevice, Stage, Strategy, Workload, evaluate, gpu_spec,
-    inter_node_link, parse_bytes, shape_from_callable, shape_from_hf_config, shape_from_params,
+    GPUS, INTER_NODE_LINKS, Cluster, ModelShape, Strategy, Workload, evaluate, gpu_spec, inter_node_link, parse_bytes,
+    shape_from_callable, shape_from_hf_config, shape_from_params,
 )
 from zeroshard.estimate.lora import (
     add_adapters, lora_from_hf_config, lora_from_module, lora_from_shape, parse_targets,
 )
 from zeroshard.estimate.model_size import build_on_meta, load_config
-from zeroshard.estimate.planner import NVME_SUB_GROUP_SIZE, bucket_sizes as _bucket_sizes
+from zeroshard.estimate.planner import strategy_for
 from zeroshard.estimate.byte_units import GIB, parse_count
 from zeroshard.policies import ConfigError, Precision, ZeroShardError
 
@@ -130,14 +130,10 @@ def read_cluster(args) -> Cluster:
         gpu = replace(gpu, memory=parse_bytes(args.gpu_mem, "--gpu-mem"))
         if gpu.memory <= 0:
             raise ConfigError("--gpu-mem must be positive")
-    if args.inter_node_bw is not None:
-        if args.inter_node_bw <= 0:
-            raise ConfigError(f"--inter-node-bw must be positive, got {args.inter_node_bw}")
-        inter = args.inter_node_bw * 1e9
-    else:
-        inter = inter_node_link(args.inter_node).bw_per_node
-    if args.flops is not None and args.flops <= 0:
-        raise ConfigError(f"--flops must be positive, got {args.flops}")
+    for flag, value in (("--inter-node-bw", args.inter_node_bw), ("--flops", args.flops)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    inter = inter_node_link(args.inter_node).bw_per_node if args.inter_node_bw is None else args.inter_node_bw * 1e9
     return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=gpu, inter_node_bw=inter,
                    host_mem=parse_bytes(args.cpu_mem, "--cpu-mem"), nvme=parse_bytes(args.nvme, "--nvme"),
                    achieved_flops=args.flops * 1e12 if args.flops else None)
@@ -187,11 +183,7 @@ def all_candidates(shape, cluster, work, ratio: float | None = None):
                   hpz_partition_size=cluster.gpus_per_node if cluster.nodes > 1 else 1) if zpp else {}
         if i >= len(ALL_COMBINATIONS):
             kw["offload_ratio"] = ratio
-        s = Strategy(stage=Stage(st), precision=work.precision, optimizer=work.optimizer,
-                     optimizer_bytes=work.optimizer_bytes, host_is_device=work.host_is_device,
-                     grads_to_host=work.grads_to_host, offload_optimizer=OffloadDevice(oo),
-                     offload_param=OffloadDevice(op), activation_checkpointing=ac, **kw, **_bucket_sizes(shape.hidden),
-                     **({"sub_group_size": NVME_SUB_GROUP_SIZE} if "nvme" in (oo, op) else {}))
+        s = strategy_for(work, shape.hidden, st, oo, op, activation_checkpointing=ac, **kw)
         out.append(evaluate(shape, s, cluster, work))
     return out
 

@@ -28,6 +28,8 @@ import os
 import socket
 import sys
 
+from zeroshard.cli import deepspeed_shadow
+
 __all__ = ["add_rendezvous_arguments", "apply_deepspeed_flags", "check_nproc", "rank_target", "register", "run_torchrun",
            "torchrun_command"]
 
@@ -40,8 +42,6 @@ def register(subparsers) -> None:
     p.add_argument("--nproc", type=int, default=None, help="ranks on this node (default 2)")
     add_rendezvous_arguments(p)
     add_deepspeed_launcher_arguments(p)
-    from zeroshard.cli import deepspeed_shadow
-
     deepspeed_shadow.add_arguments(p)
     p.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
@@ -205,8 +205,6 @@ def run_torchrun(cmd: list[str], extra_env: dict[str, str] | None = None, comman
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from zeroshard.cli import deepspeed_shadow
 
     problem, extra_env = apply_deepspeed_flags(args, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if args.nproc is None:

@@ -14,6 +14,7 @@ Stdlib only, so it can be installed before torch is imported.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -23,8 +24,8 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["CHANNEL_ENV", "STOP_SIGNALS", "StopRequested", "die_with_parent", "finishing", "install", "report_error",
-           "report_stop", "set_where", "stop_code"]
+__all__ = ["CHANNEL_ENV", "STOP_SIGNALS", "StopRequested", "channel", "die_with_parent", "finishing", "install",
+           "report_error", "report_stop", "set_where", "stop_code", "write_channel"]
 
 CHANNEL_ENV = "ZEROSHARD_CHANNEL"
 GRACE_S = 5.0
@@ -94,10 +95,8 @@ def _watchdog(read: int) -> None:
 def die_with_parent() -> None:
     """Ask Linux to send SIGTERM to this process when its parent dies (a no-op elsewhere)."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
 
 
 def finishing(status: int) -> None:
@@ -110,19 +109,15 @@ def finishing(status: int) -> None:
 def _on_signal(signum: int, frame) -> None:
     if _finished:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
         os._exit(_finished[0])
     if _stopping:  # a second signal: the watchdog ends the process
         return
     _stopping.append(signum)
     if _rank() == 0:
-        try:
+        with contextlib.suppress(Exception):
             report_stop(_where())
-        except Exception:
-            pass
     raise StopRequested(signum)
 
 
@@ -133,13 +128,15 @@ def _rank() -> int:
         return 0
 
 
-def _channel() -> str | None:
+def channel() -> str | None:
+    """The launcher's channel directory (`ZEROSHARD_CHANNEL`), or None without a launcher."""
     path = os.environ.get(CHANNEL_ENV)
     return path if path and os.path.isdir(path) else None
 
 
-def _write(name: str, text: str) -> None:
-    path = os.path.join(_channel(), name)
+def write_channel(name: str, text: str) -> None:
+    """File `name` of the channel holds `text` (written whole, then renamed into place)."""
+    path = os.path.join(channel(), name)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as fh:
         fh.write(text)
@@ -150,8 +147,8 @@ def report_error(command: str, message: str) -> None:
     """A clean error found in this rank (a ZeroShardError: bad config, checkpoint, path):
     one line for the launcher to print once, or this rank's line on stderr."""
     line = " ".join(str(message).split())  # one line, whatever the message held
-    if _channel():
-        _write(f"error.rank{_rank():05d}", line)
+    if channel():
+        write_channel(f"error.rank{_rank():05d}", line)
     else:
         rank = _rank()
         print(f"{command}{'' if rank == 0 else f' (rank {rank})'}: {line}", file=sys.stderr, flush=True)
@@ -159,7 +156,7 @@ def report_error(command: str, message: str) -> None:
 
 def report_stop(where: str) -> None:
     """Rank 0's account of where the stop found training (may be empty)."""
-    if _channel():
-        _write("stop", where)
+    if channel():
+        write_channel("stop", where)
     elif where:
         print(f"stopped {where}", file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -73,10 +74,8 @@ def supervise(cmd: list[str], env: dict[str, str], command: str,
 
 
 def _send(proc: subprocess.Popen, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signum)
-    except ProcessLookupError:
-        pass
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -161,10 +160,8 @@ def _reap(channel: str) -> None:
             return
         if time.monotonic() > deadline:
             for pid in left:
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
             return
         time.sleep(0.1)
 

@@ -16,6 +16,7 @@ three differences that make a stop or a failure read as one line from the launch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -92,7 +93,7 @@ class _Restarts(logging.Filter):
         self.failure: tuple[int, int] | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
+        with contextlib.suppress(TypeError, ValueError, IndexError):
             if str(record.msg).startswith("failed (exitcode:"):
                 self.failure = (int(record.args[0]), int(record.args[1]))
             elif "attempts left" in str(record.msg) and "will restart worker group" in str(record.msg):
@@ -101,16 +102,12 @@ class _Restarts(logging.Filter):
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
                 print(f"zeroshard: local rank {rank} {how}; torchrun restarts every rank (restart {total - left + 1} "
                       f"of {total})", file=sys.stderr, flush=True)
-        except (TypeError, ValueError, IndexError):
-            pass
         return False
 
 
 def _record(name: str, payload) -> None:
-    channel = os.environ.get(rank_guard.CHANNEL_ENV)
-    if channel and os.path.isdir(channel):
-        with open(os.path.join(channel, name), "w") as fh:
-            json.dump(payload, fh)
+    if rank_guard.channel():
+        rank_guard.write_channel(name, json.dumps(payload))
 
 
 def _signalled(signum: int) -> int:

@@ -61,14 +61,9 @@ def _enabled(block: Any) -> Any:
     return block if block is not None and block.enabled else None
 
 
-def _unbuilt_optimizer(c: RootConfig) -> str | None:
-    name = c.optimizer.type if c.optimizer is not None else None
-    return name if name is not None and name.lower() not in BUILT_OPTIMIZERS else None
-
-
-def _unbuilt_scheduler(c: RootConfig) -> str | None:
-    name = c.scheduler.type if c.scheduler is not None else None
-    return name if name is not None and name not in BUILT_SCHEDULERS else None
+def _unbuilt(block: Any, built: tuple[str, ...], spelling: Callable[[str], str] = str) -> str | None:
+    """The `type` of an optimizer / scheduler block when zeroshard has not built it."""
+    return block.type if block is not None and spelling(block.type) not in built else None
 
 
 _Z = "zero_optimization."
@@ -95,8 +90,9 @@ GAPS: tuple[Gap, ...] = (
     Gap("compile.enabled", lambda c: _when(bool(c.compile and c.compile.enabled)), "false"),
     Gap("compile.deepcompile", lambda c: _when(bool(c.compile and c.compile.deepcompile)), "false"),
     Gap("tensor_parallel", lambda c: _when(bool(c.tensor_parallel), "{...}"), "nothing (remove the block)"),
-    Gap("optimizer.type", _unbuilt_optimizer, "one of " + ", ".join(BUILT_OPTIMIZERS)),
-    Gap("scheduler.type", _unbuilt_scheduler, "one of " + ", ".join(BUILT_SCHEDULERS)),
+    Gap("optimizer.type", lambda c: _unbuilt(c.optimizer, BUILT_OPTIMIZERS, str.lower),
+        "one of " + ", ".join(BUILT_OPTIMIZERS)),
+    Gap("scheduler.type", lambda c: _unbuilt(c.scheduler, BUILT_SCHEDULERS), "one of " + ", ".join(BUILT_SCHEDULERS)),
 )
 
 # zero_optimization keys that take effect only at stage 3 (DeepSpeed ignores them below it).

@@ -68,14 +68,12 @@ class Candidate:
         return self.fits_device and self.fits_host and self.fits_nvme
 
     def why_not(self) -> str:
-        reasons = []
-        if not self.fits_device:
-            reasons.append(f"device needs {self.memory.device_total / GIB:.1f} GiB > {self.device_budget / GIB:.1f} GiB usable")
-        if not self.fits_host:
-            reasons.append(f"host needs {self.memory.host_per_node / GIB:.1f} GiB/node > {self.host_budget / GIB:.1f} GiB usable")
-        if not self.fits_nvme:
-            reasons.append(f"NVMe needs {self.memory.nvme_per_node / GIB:.1f} GiB/node > {self.nvme_budget / GIB:.1f} GiB")
-        return "; ".join(reasons) or "fits"
+        m = self.memory
+        reasons = (
+            (self.fits_device, f"device needs {m.device_total / GIB:.1f} GiB > {self.device_budget / GIB:.1f} GiB usable"),
+            (self.fits_host, f"host needs {m.host_per_node / GIB:.1f} GiB/node > {self.host_budget / GIB:.1f} GiB usable"),
+            (self.fits_nvme, f"NVMe needs {m.nvme_per_node / GIB:.1f} GiB/node > {self.nvme_budget / GIB:.1f} GiB"))
+        return "; ".join(text for fits, text in reasons if not fits) or "fits"
 
     def label(self) -> str:
         return self.strategy.label() + (" +AC" if self.strategy.activation_checkpointing else "")

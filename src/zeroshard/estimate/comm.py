@@ -55,10 +55,11 @@ from dataclasses import asdict, dataclass
 
 from zeroshard.comm.blocks import QGZ_BITS, QUANT_BLOCK_SIZE, QWZ_BITS, plan_blocks
 from zeroshard.comm.blocks import SCALE_BYTES as QUANT_SCALE_BYTES
+from zeroshard.partition.layout import gather_ranges, shard_count_for
 from zeroshard.policies import ConfigError, Precision, Stage
 
 from zeroshard.estimate.memory import Strategy, shard
-from zeroshard.estimate.padding import BucketPlan, gather_chunks, shard_count_for_stage
+from zeroshard.estimate.padding import BucketPlan
 from zeroshard.estimate.byte_units import FP32_BYTES
 
 __all__ = ["Collective", "CommEstimate", "estimate_comm", "ring_split", "QUANT_BLOCK_SIZE", "QUANT_SCALE_BYTES",
@@ -154,12 +155,12 @@ def estimate_comm(params: int, strategy: Strategy, nodes: int, gpus_per_node: in
     s, gas = strategy, gradient_accumulation_steps
     n = nodes * gpus_per_node
     if layout is not None:
-        if layout.shard_count != shard_count_for_stage(s.stage, n):
+        if layout.shard_count != shard_count_for(s.stage, n):
             raise ConfigError(f"layout is split {layout.shard_count} ways; stage {int(s.stage)} on {n} ranks "
-                              f"splits {shard_count_for_stage(s.stage, n)} ways")
+                              f"splits {shard_count_for(s.stage, n)} ways")
         padded = layout.padded_total
         buckets = layout.buckets
-        gathers = sum(gather_chunks(sh, p, s.allgather_bucket_size, n)
+        gathers = sum(len(gather_ranges(sh, p, s.allgather_bucket_size, n))
                       for sh, p in zip(layout.shards, layout.padded))
     else:
         padded = params if s.stage == Stage.DATA_PARALLEL else shard(params, n) * n

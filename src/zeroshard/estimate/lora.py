@@ -24,7 +24,7 @@ from typing import Sequence
 
 from zeroshard.policies import ConfigError
 
-from zeroshard.estimate.model_size import ModelShape, meta_model
+from zeroshard.estimate.model_size import ANALYTIC_MODEL_TYPES, ModelShape, meta_model
 
 __all__ = ["LoraCount", "DEFAULT_TARGETS", "add_adapters", "default_targets", "lora_from_hf_config",
            "lora_from_module", "lora_from_shape", "parse_targets"]
@@ -164,7 +164,7 @@ def lora_from_module(model, r: int, targets: list[str] | None = None) -> LoraCou
 
 def lora_from_hf_config(cfg: dict, r: int, targets: list[str] | None = None) -> LoraCount:
     mt = cfg.get("model_type")
-    if mt in ("llama", "mistral", "qwen2", "gpt2"):
+    if mt in ANALYTIC_MODEL_TYPES:
         try:
             modules = _gpt2_modules(cfg) if mt == "gpt2" else _llama_modules(cfg)
         except KeyError as e:

@@ -59,13 +59,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from zeroshard.partition.layout import shard_count_for
 from zeroshard.policies import ConfigError, OffloadDevice, Precision, Stage
 
 from zeroshard.estimate.activations import ActivationEstimate
 from zeroshard.estimate.model_size import ModelShape
-from zeroshard.estimate.padding import (
-    BucketPlan, offload_split, shard_count_for_stage, sub_group_sums,
-)
+from zeroshard.estimate.padding import BucketPlan, offload_split, sub_group_sums
 from zeroshard.estimate.byte_units import FP32_BYTES, GIB
 from zeroshard.estimate.strategy import (  # noqa: F401  (Strategy and K are read here by the estimator's users)
     MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES, Strategy, optimizer_bytes_per_param,
@@ -195,9 +194,9 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
     s, phi = strategy, shape.params
     phi_t, frozen = shape.trainable_params, shape.frozen_params  # LoRA: adapters, frozen base
     st, k, pb, gb = s.stage, s.k, s.param_bytes, s.grad_bytes
-    if layout is not None and layout.shard_count != shard_count_for_stage(st, n):
+    if layout is not None and layout.shard_count != shard_count_for(st, n):
         raise ConfigError(f"layout is split {layout.shard_count} ways; stage {int(st)} on {n} ranks splits "
-                          f"{shard_count_for_stage(st, n)} ways (plan it with plan_layout for this stage)")
+                          f"{shard_count_for(st, n)} ways (plan it with plan_layout for this stage)")
     # Trainable elements of each full (unsharded) state, and of each sharded one.
     full = layout.padded_total if layout is not None else phi_t
     own = layout.shard_total if layout is not None else shard(phi_t, n)
@@ -243,8 +242,8 @@ def estimate_memory(shape: ModelShape, strategy: Strategy, n: int, gpus_per_node
             notes.append(f"fp32 on a GPU: the optimizer offload keeps a separate fp32 master on the host "
                          f"(K = {s.k_on(host=True)} there); on a CPU-only machine (host is device) K = {s.k}")
     elif s.offload_optimizer == OffloadDevice.NVME:
-        # ZeRO-Infinity (DeepSpeed's model; zeroshard has no NVMe tier yet): the fp32 gradient
-        # partition is swapped out with the states, from stage 2 no device gradient is kept.
+        # ZeRO-Infinity (DeepSpeed's model of it): the fp32 gradient partition is swapped out with
+        # the states, from stage 2 no device gradient is kept.
         if st >= Stage.GRADIENTS:
             grads = 0
         nvme += opt + FP32_BYTES * own

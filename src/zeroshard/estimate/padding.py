@@ -33,19 +33,9 @@ from zeroshard.policies import ConfigError, Precision, Stage
 from zeroshard.estimate.byte_units import bytes_of
 
 __all__ = [
-    "ALIGN_BYTES", "BucketPlan", "alignment_for", "bucket_numels", "padded_size", "plan_layout",
-    "shard_count_for_stage", "sub_group_sums", "gather_chunks", "offload_split", "plan_stage3_layout",
+    "ALIGN_BYTES", "BucketPlan", "bucket_numels", "padded_size", "plan_layout", "sub_group_sums", "offload_split",
+    "plan_stage3_layout",
 ]
-
-
-def alignment_for(precision: Precision | str) -> int:
-    """Elements per alignment unit: 4 for fp32, 8 for bf16 / fp16."""
-    return layout.alignment_for(bytes_of(precision))
-
-
-def shard_count_for_stage(stage: Stage | int, n: int) -> int:
-    """Ways each bucket is split: stage 0 keeps everything whole on every rank."""
-    return layout.shard_count_for(stage, n)
 
 
 def bucket_numels(param_numels: Sequence[int], bucket_elements: int) -> list[int]:
@@ -64,11 +54,6 @@ def bucket_numels(param_numels: Sequence[int], bucket_elements: int) -> list[int
 def sub_group_sums(sizes: Sequence[int], cap: int) -> list[int]:
     """The sum of each of the optimizer's sub-groups (`partition.layout.sub_groups`)."""
     return [sum(sizes[i] for i in group) for group in layout.sub_groups(sizes, cap)]
-
-
-def gather_chunks(shard_numel: int, padded_numel: int, cap: int, n: int) -> int:
-    """All-gather calls to publish one bucket (`partition.layout.gather_ranges`)."""
-    return len(layout.gather_ranges(shard_numel, padded_numel, cap, n))
 
 
 @dataclass(frozen=True)
@@ -114,8 +99,8 @@ def plan_layout(param_numels: Sequence[int], stage: Stage | int, precision: Prec
     parameters once, frozen ones left out)."""
     if n < 1:
         raise ConfigError(f"data-parallel size must be >= 1, got {n}")
-    count = shard_count_for_stage(stage, n)
-    align = alignment_for(precision)
+    count = layout.shard_count_for(stage, n)
+    align = layout.alignment_for(bytes_of(precision))
     numels = bucket_numels(param_numels, reduce_bucket_size)
     return BucketPlan(tuple(numels), tuple(padded_size(b, count, align) for b in numels), count)
 
@@ -125,5 +110,5 @@ def plan_stage3_layout(unit_numels: Sequence[int], precision: Precision | str, n
     like any bucket to a multiple of N x alignment."""
     if n < 1:
         raise ConfigError(f"data-parallel size must be >= 1, got {n}")
-    align = alignment_for(precision)
+    align = layout.alignment_for(bytes_of(precision))
     return BucketPlan(tuple(unit_numels), tuple(padded_size(u, n, align) for u in unit_numels), n)

@@ -33,7 +33,8 @@ from zeroshard.estimate.model_size import ModelShape
 from zeroshard.estimate.strategy import Strategy
 
 __all__ = ["Workload", "Candidate", "Plan", "evaluate", "plan", "candidate_strategies", "smallest_cluster",
-           "deepspeed_config", "bucket_sizes", "INTER_NODE_BOTTLENECK_FRACTION", "ZEROPP_MIN_GAIN", "MAX_NODES"]
+           "deepspeed_config", "bucket_sizes", "strategy_for", "INTER_NODE_BOTTLENECK_FRACTION", "ZEROPP_MIN_GAIN",
+           "MAX_NODES"]
 
 INTER_NODE_BOTTLENECK_FRACTION = 0.25  # inter-node comm time / step time that calls for ZeRO++
 ZEROPP_MIN_GAIN = 0.02  # ZeRO++ must shorten the step by this fraction to be worth its quantization noise
@@ -43,11 +44,6 @@ TIE_SECONDS = 0.0005  # step times closer than this are a tie: the earlier candi
 # Optimizer sub-group for NVMe offload: 1e8 fp32 elements = 400 MB per swap buffer; DeepSpeed's
 # 1e9 default would pin 16 GB of host memory in its 4 buffers.
 NVME_SUB_GROUP_SIZE = 100_000_000
-
-
-def _base(work: Workload, **kw) -> Strategy:
-    return Strategy(precision=work.precision, optimizer=work.optimizer, optimizer_bytes=work.optimizer_bytes,
-                    host_is_device=work.host_is_device, grads_to_host=work.grads_to_host, **kw)
 
 
 N, C, V = OffloadDevice.NONE, OffloadDevice.CPU, OffloadDevice.NVME
@@ -88,16 +84,19 @@ def _tier_name(tier: list[Strategy]) -> str:
 def candidate_strategies(work: Workload, hidden: int | None = None, frozen_base: bool = False) -> list[list[Strategy]]:
     """The route as tiers of strategies, each tier without then with checkpointing
     (`frozen_base`: the LoRA route, `_LORA_ROUTE`)."""
-    buckets = bucket_sizes(hidden)
     ac_options = [work.activation_checkpointing] if work.activation_checkpointing is not None else [False, True]
-    tiers = []
-    for tier in (_LORA_ROUTE if frozen_base else _ROUTE):
-        for ac in ac_options:
-            tiers.append([_base(work, stage=Stage(st), offload_optimizer=oo, offload_param=op,
-                                activation_checkpointing=ac, **buckets,
-                                **({"sub_group_size": NVME_SUB_GROUP_SIZE} if V in (oo, op) else {}))
-                          for st, oo, op in tier])
-    return tiers
+    return [[strategy_for(work, hidden, st, oo, op, activation_checkpointing=ac) for st, oo, op in tier]
+            for tier in (_LORA_ROUTE if frozen_base else _ROUTE) for ac in ac_options]
+
+
+def strategy_for(work: Workload, hidden: int | None, stage: int, offload_optimizer, offload_param, **kw) -> Strategy:
+    """A strategy for `work`: its precision and optimizer, the "auto" bucket sizes of `hidden`
+    (`bucket_sizes`), and NVME_SUB_GROUP_SIZE when anything goes to NVMe."""
+    nvme = {"sub_group_size": NVME_SUB_GROUP_SIZE} if V in (offload_optimizer, offload_param) else {}
+    return Strategy(stage=Stage(stage), precision=work.precision, optimizer=work.optimizer,
+                    optimizer_bytes=work.optimizer_bytes, host_is_device=work.host_is_device,
+                    grads_to_host=work.grads_to_host, offload_optimizer=offload_optimizer,
+                    offload_param=offload_param, **bucket_sizes(hidden), **nvme, **kw)
 
 
 def bucket_sizes(hidden: int | None) -> dict:

@@ -8,6 +8,7 @@ is cut from `global_batch`, which depends only on (tokens, N*b, seq_len, step, s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -51,9 +52,7 @@ def batch_iterator(tokens: torch.Tensor, batch_size: int, seq_len: int, rank: in
     unless `steps` is given."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    step = 0
-    while steps is None or step < steps:
+    for step in itertools.count() if steps is None else range(steps):
         x, y = global_batch(tokens, batch_size, seq_len, step, world_size, seed)
         lo, hi = rank * batch_size, (rank + 1) * batch_size
         yield x[lo:hi], y[lo:hi]
-        step += 1

@@ -8,10 +8,11 @@ folder are skipped, so pointing at a project folder just works. Bytes are the to
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["NoTextError", "text_tokens"]
+__all__ = ["NoTextError", "read_bytes", "text_tokens", "walk_files"]
 
 MIN_BYTES = 1024  # below this a sequence window barely fits: nothing to learn from
 _SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", "venv", ".tox"}
@@ -32,14 +33,34 @@ def _is_text(data: bytes) -> bool:
     return True
 
 
-def _files(path: str) -> list[str]:
+def walk_files(path: str, skip_dirs=_SKIP_DIRS) -> Iterator[str]:
+    """`path` if it is a file, else the files under it in sorted order (`skip_dirs` left out)."""
     if os.path.isfile(path):
-        return [path]
-    found = []
+        yield path
     for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        found.extend(os.path.join(dirpath, name) for name in sorted(filenames))
-    return found
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)
+        yield from (os.path.join(dirpath, name) for name in sorted(filenames))
+
+
+def read_bytes(names: Iterable[str], max_bytes: int, keep: Callable[[bytes], bool]) -> tuple[list[bytes], int, int]:
+    """(contents `keep` accepts, their bytes, files refused) of `names`, up to `max_bytes` in all;
+    an unreadable file reads as empty."""
+    chunks: list[bytes] = []
+    total = refused = 0
+    for name in names:
+        try:
+            with open(name, "rb") as fh:
+                data = fh.read(max_bytes - total)
+        except OSError:
+            data = b""
+        if not keep(data):
+            refused += 1
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return chunks, total, refused
 
 
 def text_tokens(path: str | os.PathLike, max_bytes: int = 16_000_000) -> torch.Tensor:
@@ -51,21 +72,7 @@ def text_tokens(path: str | os.PathLike, max_bytes: int = 16_000_000) -> torch.T
     if not (os.path.isfile(path) or os.path.isdir(path)):
         raise NoTextError(f"--data {path}: not a regular file or a folder (a device or pipe); give a text file or a "
                           "folder of them")
-    chunks: list[bytes] = []
-    total = skipped = 0
-    for name in _files(path):
-        try:
-            with open(name, "rb") as fh:
-                data = fh.read(max_bytes - total)
-        except OSError:
-            data = b""  # unreadable: skipped like a file that is not text
-        if not _is_text(data):
-            skipped += 1
-            continue
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
+    chunks, total, skipped = read_bytes(walk_files(path), max_bytes, _is_text)  # unreadable: not text
     if total < MIN_BYTES:
         what = "file" if os.path.isfile(path) else f"folder ({len(chunks)} text file(s), {skipped} other)"
         raise NoTextError(f"--data {path}: found {total} bytes of UTF-8 text in this {what}; "

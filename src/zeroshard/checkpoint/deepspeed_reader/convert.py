@@ -24,11 +24,11 @@ import torch
 
 from zeroshard.checkpoint.deepspeed_reader.entry import open_deepspeed
 from zeroshard.checkpoint.deepspeed_reader.reader import DeepSpeedCheckpoint
-from zeroshard.checkpoint.files import Entry, fsync_dir, write_rank_files, write_small
+from zeroshard.checkpoint.files import Entry, write_rank_files
 from zeroshard.checkpoint.format import (
-    FORMAT, LATEST, META, TMP_PREFIX, VERSION, BucketRecord, SlotRecord, bucket_key, check_tag, dumps, json_safe,
-    module_key, seal_meta,
+    FORMAT, TMP_PREFIX, VERSION, BucketRecord, SlotRecord, bucket_key, check_tag, json_safe, module_key,
 )
+from zeroshard.checkpoint.save import commit_tag, prepare_tag
 from zeroshard.policies import CheckpointError, SchedulerSpec, ZeroShardError
 
 
@@ -147,12 +147,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
         final = os.path.join(out, new_tag)
         if os.path.exists(final):
             raise CheckpointError(f"{final}: already exists; convert into another directory or remove it first")
-        try:
-            os.makedirs(out, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as exc:
-            raise CheckpointError(f"{out}: cannot create the checkpoint directory ({exc.strerror or exc})") from None
+        prepare_tag(out, tmp)
         try:
             files = {}
             for rank in range(r.world_size):
@@ -193,11 +188,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, tag: str | None = No
                 "converted_from": {"format": "deepspeed", "deepspeed_version": r.meta["deepspeed_version"],
                                    "dir": os.path.abspath(r.dir)},
             }
-            write_small(os.path.join(tmp, META), dumps(seal_meta(meta)))
-            fsync_dir(tmp)
-            os.rename(tmp, final)
-            fsync_dir(out)
-            write_small(os.path.join(out, LATEST), new_tag.encode())
+            commit_tag(out, tmp, new_tag, meta, keep_last=None)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -7,6 +7,7 @@ import os
 from zeroshard.checkpoint.deepspeed_reader.files import find_deepspeed_tag, is_universal
 from zeroshard.checkpoint.deepspeed_reader.reader import DeepSpeedCheckpoint
 from zeroshard.checkpoint.deepspeed_reader.universal import UniversalCheckpoint
+from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.policies import CheckpointError
 
 
@@ -23,8 +24,6 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None = None):
     DeepSpeed wrote (`DeepSpeedCheckpoint`)."""
     if find_deepspeed_tag(path, tag) is not None:
         return open_deepspeed(path, tag)
-    from zeroshard.checkpoint.reader import CheckpointReader
-
     try:
         return CheckpointReader(path, tag)
     except CheckpointError as exc:

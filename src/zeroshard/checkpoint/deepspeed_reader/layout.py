@@ -27,6 +27,7 @@ A `Run` says: elements [lo, hi) of a parameter's flattened value are in DeepSpee
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -78,9 +79,7 @@ def stage3_runs(numels: list[int], world: int, flat_sizes: list[int]) -> list[li
     """Stage 3: the runs of each parameter, given the sizes of one rank's sub-group tensors
     (every rank's are the same). Raises when the partitions do not add up to them, as
     DeepSpeed's zero_to_fp32 does."""
-    bounds = [0]
-    for s in flat_sizes:
-        bounds.append(bounds[-1] + s)
+    bounds = list(itertools.accumulate(flat_sizes, initial=0))
     out = []
     offset = 0
     for n in numels:

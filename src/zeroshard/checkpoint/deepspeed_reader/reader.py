@@ -27,6 +27,7 @@ from zeroshard.checkpoint.deepspeed_reader.files import find_deepspeed_tag, scan
 from zeroshard.checkpoint.deepspeed_reader.layout import Run
 from zeroshard.checkpoint.deepspeed_reader.meta import describe
 from zeroshard.checkpoint.deepspeed_reader.offloaded import FOLDER, Offloaded
+from zeroshard.checkpoint.reader import TensorIndex
 from zeroshard.policies import CheckpointError
 
 
@@ -42,7 +43,7 @@ def _numel(shape) -> int:
     return math.prod(int(d) for d in shape)
 
 
-class DeepSpeedCheckpoint:
+class DeepSpeedCheckpoint(TensorIndex):
     """One DeepSpeed tag. `meta` has the keys zeroshard's loaders read from `meta.json`
     (names, tensors, tied, optimizer, counters, lr_scheduler, loss_scaler, client_state),
     and `read(name, field, lo, hi)` returns elements [lo, hi) of a parameter's fp32 master
@@ -156,7 +157,6 @@ class DeepSpeedCheckpoint:
         self.groups: list[list[tuple[str, tuple[int, ...]]]] = [
             [(n, tuple(int(d) for d in s)) for n, s in g.items()] for g in groups]
         self.frozen = {n: tuple(int(d) for d in s) for n, s in (sd.get("frozen_param_shapes") or {}).items()}
-        self.buffer_names = list(sd.get("buffer_names") or [])
         self.tied = {str(a): str(c) for a, c in (sd.get("shared_params") or {}).items()}
 
         trainable = {n: s for g in self.groups for n, s in g}
@@ -260,12 +260,6 @@ class DeepSpeedCheckpoint:
     @property
     def files(self) -> dict[str, dict[str, Any]]:
         return self.meta["files"]
-
-    def canonical(self, name: str) -> str:
-        return self.tied.get(name, name)
-
-    def numel(self, name: str) -> int:
-        return _numel(self.tensors[self.canonical(name)]["shape"])
 
     def verify(self, names: list[str] | None = None) -> None:
         """Each file (all, or `names`) complete: every zip record present with its CRC-32 right."""
@@ -380,9 +374,3 @@ class DeepSpeedCheckpoint:
                 os.close(fd)
         self._states, self._fds = {}, {}
         self._model_cache = {}
-
-    def __enter__(self) -> "DeepSpeedCheckpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -1,5 +1,6 @@
 """What a DeepSpeed checkpoint carries besides tensors, applied to a zeroshard run: the
-optimizer's class and hyperparameters, step counters, LR scheduler and loss scaler.
+optimizer's class and hyperparameters, LR scheduler and loss scaler (load_checkpoint sets the
+step counters, as for a zeroshard checkpoint).
 
 DeepSpeed does not save random number generator states in its checkpoints (its users do,
 beside them), so the ranks keep theirs.
@@ -40,9 +41,6 @@ def check_optimizer(reader: DeepSpeedCheckpoint, ts) -> None:
 
 def apply_training_state(reader: DeepSpeedCheckpoint, ts, optimizer_states: bool, scheduler_states: bool) -> None:
     meta = reader.meta
-    ts.counters.global_steps = int(meta["global_steps"])
-    ts.counters.micro_steps = int(meta["micro_steps"])
-    ts.counters.skipped_steps = int(meta["skipped_steps"])
     if optimizer_states and meta.get("loss_scaler"):
         _load_scaler(reader, ts)
     sched, saved = ts.lr_scheduler, meta.get("lr_scheduler")

@@ -28,6 +28,7 @@ fewer parameters than the module is refused.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -93,8 +94,5 @@ def parameter_groups(sd: dict[str, Any], path: str) -> list[list[tuple[str, tupl
         if torch.is_tensor(saved) and saved.numel() != math.prod(shape):
             raise CheckpointError(f"{path}: parameter {j} of the optimizer has {saved.numel()} elements, the module's "
                                   f"{name} {shape}: the order of the optimizer's parameters is not the module's")
-    out, j = [], 0
-    for n in counts:
-        out.append(params[j : j + n])
-        j += n
-    return out
+    starts = list(itertools.accumulate(counts, initial=0))
+    return [params[a:b] for a, b in zip(starts, starts[1:])]

@@ -15,8 +15,7 @@ file), so these checks only move errors earlier, never change what is accepted:
 
 from __future__ import annotations
 
-from typing import Any
-
+from zeroshard.cli.train.model import model_shape
 from zeroshard.policies import ZeroShardError
 
 __all__ = ["check_settings", "available_memory"]
@@ -46,7 +45,7 @@ def _check_nvme(settings) -> str | None:
     from zeroshard.offload.nvme import check_path
 
     for policy in (settings.zero.offload_optimizer, settings.zero.offload_param):
-        if getattr(policy.device, "value", policy.device) == "nvme":
+        if policy.device == "nvme":
             try:
                 check_path(policy.nvme_path)
             except ZeroShardError as exc:
@@ -55,7 +54,7 @@ def _check_nvme(settings) -> str | None:
 
 
 def _check_nvme_space(settings, spec: str, local_ranks: int, world_size: int) -> str | None:
-    shape = _shape(spec)
+    shape = model_shape(spec)
     if shape is None:
         return None
     from zeroshard.offload.nvme import check_space
@@ -66,7 +65,7 @@ def _check_nvme_space(settings, spec: str, local_ranks: int, world_size: int) ->
     offload = ((settings.zero.offload_optimizer, 4),  # the fp32 master (Adam's moments not counted)
                (settings.zero.offload_param, settings.precision.compute.dtype.itemsize))
     for policy, nbytes in offload:
-        if getattr(policy.device, "value", policy.device) == "nvme":
+        if policy.device == "nvme":
             # one path for both: the larger alone (an fp32 run's parameter shard is its master)
             need[policy.nvme_path] = max(need.get(policy.nvme_path, 0), nbytes * per_rank)
     for path, nbytes in need.items():
@@ -96,14 +95,8 @@ def available_memory() -> int | None:
     return None
 
 
-def _shape(spec: str) -> dict[str, Any] | None:
-    from zeroshard.cli.train.model import model_shape
-
-    return model_shape(spec)
-
-
 def _check_batch_memory(settings, spec: str, seq_len: int, local_ranks: int) -> str | None:
-    shape = _shape(spec)
+    shape = model_shape(spec)
     free = available_memory()
     if shape is None or free is None:
         return None
