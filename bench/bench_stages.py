@@ -179,8 +179,9 @@ def report(args: argparse.Namespace, run: dict) -> None:
                         f"{mib(got)} MiB", verdict(got >= saving))
     console.print(targets)
     console.print(f"formula (bytes per rank, N={world}): DDP (4 + 4 + 8) Phi = {mib(ddp_formula)} MiB; zeroshard stage 2 "
-                  f"{item} Phi + ({item} + 4 master + 8) Phi/{world} = {mib(zs2_formula)} MiB (in fp32 zeroshard steps "
-                  "the parameter shard itself: no master copy, so it holds less than this)", highlight=False)
+                  f"{item} Phi + ({item} + 4 master + 8) Phi/{world} = {mib(zs2_formula)} MiB"
+                  + ("" if args.bf16 else " (in fp32 zeroshard steps the parameter shard itself: no master copy, "
+                     "so it holds less than this)"), highlight=False)
     footer(console, args, run)
 
 
