@@ -22,7 +22,8 @@ from torch import nn
 
 from zeroshard.bench.systems import BenchSystem
 
-__all__ = ["AdamW", "FSDP2Runner", "PeerRunner", "TensorCount", "build_peer", "ddp", "deepspeed_engine", "fsdp2", "zero_redundancy"]
+__all__ = ["AdamW", "FSDP2Runner", "PeerRunner", "TensorCount", "build_peer", "ddp", "deepspeed_engine", "fsdp2",
+           "zero_redundancy"]
 
 
 class AdamW:
