@@ -134,6 +134,15 @@ def test_ratios_are_the_medians_ratios_and_losses_agree_with_ddp(bench):
         assert run["loss_max_abs_diff_vs_ddp"][f"zs{k}"] < 1e-3
 
 
+def test_phases_are_inside_each_measured_step(bench):
+    """rank 0's forward + backward + optimizer step fit in the step's time (the slowest rank's, from the barrier)."""
+    for row in _run(bench)["rows"].values():
+        ph = row["phases_s"]
+        assert all(len(ph[k]) == STEPS for k in ("fwd", "bwd", "opt"))
+        for i, t in enumerate(row["step_time_s"]["steps"]):
+            assert 0 < ph["fwd"][i] + ph["bwd"][i] + ph["opt"][i] <= t
+
+
 def test_without_matplotlib_the_png_is_skipped_and_said(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench_plot, "plot_available", lambda: False)
     lines = write_outputs(bench[1], str(tmp_path))
@@ -150,6 +159,7 @@ def test_without_matplotlib_the_png_is_skipped_and_said(bench, tmp_path, monkeyp
     (["--steps", "0"], "--steps must be at least 1"),
     (["--seq-len", "4096"], "exceeds the model's context"),
     (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
 ])
 def test_bad_input_fails_before_any_rank_starts(argv, message, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *argv]) == 2
@@ -181,5 +191,5 @@ def test_bench_options_are_frozen():
     sub = argparse.ArgumentParser().add_subparsers()
     register(sub)
     options = {o for a in sub.choices["bench"]._actions for o in a.option_strings}
-    assert options == {"-h", "--help", "--model", "--sizes", "--systems", "--list", "--steps", "--warmup", "--nproc",
+    assert options == {"-h", "--help", "--model", "--sizes", "--systems", "--list", "--steps", "--warmup", "--rounds", "--nproc",
                        "--threads", "--micro-batch", "--seq-len", "--bf16", "--seed", "--out", "--timeout"}

@@ -6,6 +6,7 @@ one workload, with the figures a user needs to choose a stage.
     zeroshard bench --systems ddp,zs2,zs3 --steps 5 --warmup 2
     zeroshard bench --sizes 10M,50M,150M --systems ddp,fsdp2,zs2,zs3   # how they grow with size
     zeroshard bench --model hf:path/to/config.json --seq-len 64
+    zeroshard bench --model 50M --systems ddp,zs2 --rounds 3   # interleaved rounds, steps pooled
 
 Every system runs as its own torchrun job (one process group per system, `--nproc` ranks)
 on the same model (same seed), the same batches, the same optimizer (AdamW, fused kernel),
@@ -18,7 +19,7 @@ and a report that answers the usual questions about ZeRO with these measurements
 
 Systems (--systems, comma-separated; `zeroshard bench --list` describes them):
   ddp zero1_torch fsdp2  zs0 zs1 zs2 zs3 zs2_offload zs3_offload zs2_no_overlap
-  zs2_no_contiguous zs3_defaults  ds0 ds1 ds2 ds3 ds2_offload ds3_offload (DeepSpeed)
+  zs2_no_contiguous zs3_defaults zs2_ds zs3_fsdp2  ds0 ds1 ds2 ds3 ds2_offload ds3_offload (DeepSpeed)
 DeepSpeed's rows run when it imports (with DS_ACCELERATOR=cpu); named explicitly, a missing
 DeepSpeed is an error. Timings on a shared machine are noisy: read the spread.
 """
@@ -31,7 +32,7 @@ import sys
 from zeroshard.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, resolve_systems
 from zeroshard.cli.launch_cmd import check_nproc
 
-__all__ = ["model_spec", "register", "run"]
+__all__ = ["model_spec", "register", "run", "run_preset"]
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark ZeRO stages and offload beside DDP, FSDP2 and DeepSpeed",
@@ -46,6 +47,8 @@ def register(subparsers) -> None:
     p.add_argument("--list", action="store_true", help="describe every system and exit")
     p.add_argument("--steps", type=int, default=10, help="measured steps per system (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
+    p.add_argument("--rounds", type=int, default=1, help="run the whole set of systems this many times, "
+                   "interleaved; each system's measured steps of all rounds pooled (default 1)")
     p.add_argument("--nproc", type=int, default=2, help="ranks per system (default 2)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank, every system (default 1)")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per rank per step (default 4)")
@@ -67,7 +70,7 @@ def model_spec(name: str) -> str:
 def check_args(args: argparse.Namespace) -> str | None:
     from zeroshard.cli.train.model import check_model
 
-    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
                                ("--micro-batch", args.micro_batch, 1), ("--seq-len", args.seq_len, 1),
                                ("--threads", args.threads, 1), ("--timeout", args.timeout, 1)):
         if value < least:
@@ -91,9 +94,8 @@ def _list_systems() -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.list:
-        return _list_systems()
+def _measure(args: argparse.Namespace, report: bool) -> tuple[int, dict | None]:
+    """Check, run, write bench.json (and print the report when `report`); (exit code, result)."""
     args.models = [model_spec(m.strip()) for m in (args.sizes.split(",") if args.sizes else [args.model or "10M"])
                    if m.strip()]
     problem = check_args(args)
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         systems, notes, problem = resolve_systems(args.systems)
     if problem:
         print(f"zeroshard bench: {problem}", file=sys.stderr)
-        return 2
+        return 2, None
     from zeroshard.bench.launch import run_all
     from zeroshard.bench.report import add_report, print_report, write_outputs
 
@@ -110,12 +112,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}", flush=True)
     result = add_report(run_all(args, systems))
     result["notes"] = notes
-    print_report(result)
+    if report:
+        print_report(result)
     paths = write_outputs(result, args.out)
     for p in paths:
         print(p, flush=True)
     failed = [f"{m}:{name}" for m, run_ in result["runs"].items() for name in run_["failed"]]
     if failed:
-        print(f"zeroshard bench: failed: {', '.join(failed)} (see the logs in {args.out}/logs)", file=sys.stderr)
-        return 1
-    return 0
+        print(f"zeroshard bench: failed: {', '.join(failed)} (see the logs in {args.out}/runs)", file=sys.stderr)
+        return 1, result
+    return 0, result
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list_systems()
+    return _measure(args, report=True)[0]
+
+
+def run_preset(argv: list[str]) -> tuple[int, dict | None]:
+    """`zeroshard bench ARGV` for the scripts in bench/ (presets of this harness): the same checks,
+    jobs and bench.json, without the printed report (the script prints its own); (exit code,
+    the result `bench.json` holds, or None when the arguments were refused)."""
+    parser = argparse.ArgumentParser(prog="zeroshard")
+    register(parser.add_subparsers())
+    return _measure(parser.parse_args(["bench", *argv]), report=False)

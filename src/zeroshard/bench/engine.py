@@ -5,6 +5,7 @@ keys; everything else left to zeroshard's defaults), and its ledgers read for th
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -15,12 +16,18 @@ from zeroshard.bench.peers import AdamW
 from zeroshard.bench.systems import BenchSystem
 from zeroshard.comm import PAPER_FACTOR
 
-__all__ = ["EngineRunner", "bench_config"]
+__all__ = ["EngineRunner", "bench_config", "unit_numel"]
+
+
+def unit_numel(module: nn.Module, unit_classes: list[str]) -> int:
+    """Elements of the largest module of `unit_classes` (a stage-3 unit): what `"{unit}"` means."""
+    return max((sum(p.numel() for p in m.parameters()) for m in module.modules()
+                if type(m).__name__ in unit_classes), default=0)
 
 
 def bench_config(system: BenchSystem, micro_batch: int, bf16: bool, unit_classes: list[str],
-                 scratch: str) -> dict[str, Any]:
-    cfg = system.config(micro_batch, scratch, optimizer=AdamW.config())
+                 scratch: str, unit: int = 0) -> dict[str, Any]:
+    cfg = system.config(micro_batch, scratch, unit, optimizer=AdamW.config())
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if system.stage == 3 and unit_classes:
@@ -29,19 +36,25 @@ def bench_config(system: BenchSystem, micro_batch: int, bf16: bool, unit_classes
 
 
 class EngineRunner:
-    """Same surface as `bench.peers.PeerRunner`, plus the ledgers."""
+    """Same surface as `bench.peers.PeerRunner` (`phases`: the last step's forward, backward and
+    optimizer-step seconds), plus the ledgers."""
 
     def __init__(self, system: BenchSystem, module: nn.Module, unit_classes: list[str], micro_batch: int,
                  bf16: bool, scratch: str) -> None:
-        self.config = bench_config(system, micro_batch, bf16, unit_classes, scratch)
+        self.config = bench_config(system, micro_batch, bf16, unit_classes, scratch, unit_numel(module, unit_classes))
         self.engine = zeroshard.initialize(module, self.config)
         self.module = self.engine.module
         self.topology = self.engine.topology
+        self.phases = (0.0, 0.0, 0.0)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        t0 = time.perf_counter()
         loss = self.engine(x, y)[1]
+        t1 = time.perf_counter()
         self.engine.backward(loss)
+        t2 = time.perf_counter()
         self.engine.step()
+        self.phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return float(loss.detach().float())
 
     def start_window(self) -> None:

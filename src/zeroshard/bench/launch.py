@@ -1,5 +1,5 @@
-"""`zeroshard bench`: one torchrun job per (model, system), one after the other, each with
-a time limit; a progress line per job; the ranks' files merged into rows.
+"""`zeroshard bench`: one torchrun job per (model, system, round), one after the other, each
+with a time limit; a progress line per job; the ranks' files merged into rows.
 
 Jobs run through `launch_cmd.torchrun_command` (the launcher `zeroshard train` and `launch`
 use): `--standalone`, so every system gets a fresh process group on a free port.
@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from zeroshard.bench.results import loss_agreement, merge_ranks, ratios
+from zeroshard.bench.results import loss_agreement, merge_ranks, pool_rounds, ratios
 from zeroshard.bench.systems import BenchSystem
 from zeroshard.cli.launch_cmd import torchrun_command
 
@@ -122,31 +122,41 @@ def run_system(args: argparse.Namespace, model: str, system: BenchSystem, folder
 
 
 def run_all(args: argparse.Namespace, systems: list[BenchSystem]) -> dict[str, Any]:
-    total = len(args.models) * len(systems)
+    """Every system on every model; with `args.rounds` > 1 the whole set of systems runs that many
+    times, interleaved (a, b, c, a, b, c), and each system's rounds are pooled (`pool_rounds`):
+    load from other programs then falls on every system alike. A system that fails in any round
+    is reported failed."""
+    rounds = getattr(args, "rounds", 1)
+    total = len(args.models) * len(systems) * rounds
     runs: dict[str, Any] = {}
     started = time.perf_counter()
     i = 0
     for model in args.models:
-        rows: dict[str, dict] = {}
+        done: dict[str, list[dict]] = {s.name: [] for s in systems}
         failed: dict[str, str] = {}
-        for system in systems:
-            i += 1
-            head = f"[{i}/{total}] {model} {system.name}"
-            print(f"{head}: running ({system.description})", flush=True)
-            folder = os.path.join(args.out, "runs", _slug(model), system.name)
-            row, status = run_system(args, model, system, folder)
-            print(f"{head}: {status}", flush=True)
-            if row is None:
-                failed[system.name] = status
-            else:
-                rows[system.name] = row
+        for rnd in range(rounds):
+            for system in systems:
+                if system.name in failed:
+                    continue
+                i += 1
+                head = f"[{i}/{total}] {model} {system.name}" + (f" round {rnd + 1}/{rounds}" if rounds > 1 else "")
+                print(f"{head}: running ({system.description})", flush=True)
+                folder = os.path.join(args.out, "runs", _slug(model), system.name)
+                row, status = run_system(args, model, system, os.path.join(folder, f"round{rnd + 1}")
+                                         if rounds > 1 else folder)
+                print(f"{head}: {status}", flush=True)
+                if row is None:
+                    failed[system.name] = status
+                else:
+                    done[system.name].append(row)
+        rows = {name: pool_rounds(rs) for name, rs in done.items() if name not in failed}
         first = next(iter(rows.values()), None)
         runs[model] = {"model": model, "phi": first["phi"] if first else None, "rows": rows, "failed": failed,
                        "ratios": ratios(rows), "loss_max_abs_diff_vs_ddp": loss_agreement(rows)}
     import torch
 
     return {"settings": {"models": args.models, "systems": [s.name for s in systems], "steps": args.steps,
-                         "warmup": args.warmup, "nproc": args.nproc, "threads": args.threads,
+                         "warmup": args.warmup, "rounds": rounds, "nproc": args.nproc, "threads": args.threads,
                          "micro_batch": args.micro_batch, "seq_len": args.seq_len, "bf16": args.bf16,
                          "seed": args.seed, "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()},
             "wall_s": time.perf_counter() - started, "runs": runs}

@@ -4,15 +4,17 @@ zeroshard dependency). Their own collectives are theirs; this module only builds
 steps them and counts the tensors they hold.
 
 Every runner has the same surface: `step(x, y) -> loss` (forward, backward, optimizer step,
-gradients cleared), `module`, `model_states()` (bytes by category, counted from the real
-tensors after a backward and after a step, each storage once) and `close()`. The builders
-(`ddp`, `zero_redundancy`, `fsdp2`, `deepspeed_engine`) are the ones the scripts in bench/ use.
+gradients cleared; `phases` then holds the three parts' seconds), `module`, `model_states()`
+(bytes by category, counted from the real tensors after a backward and after a step, each
+storage once; FSDP2's runner also samples its transients then) and `close()`. The builders
+(`ddp`, `fsdp2`, `deepspeed_engine`) are also used by bench/gpu_check.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any
 
 import torch
@@ -20,7 +22,8 @@ from torch import nn
 
 from zeroshard.bench.systems import BenchSystem
 
-__all__ = ["AdamW", "PeerRunner", "TensorCount", "build_peer", "ddp", "deepspeed_engine", "fsdp2", "zero_redundancy"]
+__all__ = ["AdamW", "FSDP2Runner", "PeerRunner", "TensorCount", "build_peer", "ddp", "deepspeed_engine", "fsdp2",
+           "zero_redundancy"]
 
 
 class AdamW:
@@ -114,6 +117,7 @@ class PeerRunner:
     def __init__(self, module: nn.Module, wrapper, optimizer, autocast: bool) -> None:
         self.module, self.wrapper, self.optimizer = module, wrapper, optimizer
         self._autocast = autocast
+        self.phases = (0.0, 0.0, 0.0)  # the last step's forward, backward, optimizer-step seconds
 
     def _context(self):
         if self._autocast:
@@ -121,10 +125,16 @@ class PeerRunner:
             return torch.autocast(device, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward_backward(self, x, y) -> torch.Tensor:
+    def forward(self, x, y) -> torch.Tensor:
         with self._context():
-            loss = self.wrapper(x, y)[1]
+            return self.wrapper(x, y)[1]
+
+    def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def forward_backward(self, x, y) -> torch.Tensor:
+        loss = self.forward(x, y)
+        self.backward(loss)
         return loss
 
     def _update(self) -> None:
@@ -138,8 +148,13 @@ class PeerRunner:
         self._clear_grads()
 
     def step(self, x, y) -> float:
-        loss = self.forward_backward(x, y)
+        t0 = time.perf_counter()
+        loss = self.forward(x, y)
+        t1 = time.perf_counter()
+        self.backward(loss)
+        t2 = time.perf_counter()
         self.optimizer_step()
+        self.phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return float(loss.detach().float())
 
     def internals(self) -> dict[str, Any]:
@@ -158,11 +173,28 @@ class PeerRunner:
         pass
 
 
+class FSDP2Runner(PeerRunner):
+    """FSDP2 also holds transient model states: its unsharded parameters and gradients and the
+    flat buffers of its collectives. `model_states` samples them during its untimed step
+    (`bench.fsdp2_peak`) and leaves the figures in `peak`; the timed steps run without hooks."""
+
+    peak: dict[str, Any] | None = None
+
+    def model_states(self, x, y) -> dict[str, int]:
+        from zeroshard.bench.fsdp2_peak import TransientSampler
+
+        with TransientSampler(self.module) as sampler:
+            at_rest = super().model_states(x, y)
+        self.peak = sampler.figures(sum(at_rest.values()))
+        return at_rest
+
+
 class DeepSpeedRunner(PeerRunner):
-    def forward_backward(self, x, y) -> torch.Tensor:
-        loss = self.wrapper(x, y)[1]
+    def forward(self, x, y) -> torch.Tensor:
+        return self.wrapper(x, y)[1]
+
+    def backward(self, loss: torch.Tensor) -> None:
         self.wrapper.backward(loss)
-        return loss
 
     def _update(self) -> None:
         self.wrapper.step()  # clears the gradients too
@@ -192,14 +224,12 @@ def zero_redundancy(params, **adamw_kwargs):
     return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, fused=True, **adamw_kwargs)
 
 
-def fsdp2(module: nn.Module, unit_classes: list[str], bf16: bool, reduce_dtype=torch.float32, mesh=None):
+def fsdp2(module: nn.Module, unit_classes: list[str], bf16: bool):
     """FSDP2 as its users write it: `fully_shard` on each unit (modules of `unit_classes`), then the
-    root; bf16: MixedPrecisionPolicy(param bf16, reduce `reduce_dtype`). Returns `module`."""
+    root; bf16: MixedPrecisionPolicy(param bf16, reduce fp32). Returns `module`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)} if bf16 else {}
-    if mesh is not None:
-        kw["mesh"] = mesh
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
     for m in module.modules():
         if type(m).__name__ in unit_classes:
             fully_shard(m, **kw)
@@ -221,7 +251,7 @@ def build_peer(system: BenchSystem, module: nn.Module, unit_classes: list[str], 
     if system.family == "fsdp2":
         fsdp2(module, unit_classes, bf16)
         opt = torch.optim.AdamW(module.parameters(), fused=True, **AdamW.kwargs())
-        return PeerRunner(module, module, opt, autocast=False)
+        return FSDP2Runner(module, module, opt, autocast=False)
     if system.family == "deepspeed":
         return _deepspeed(system, module, micro_batch, bf16)
     raise ValueError(f"{system.name}: not a peer system (family {system.family})")

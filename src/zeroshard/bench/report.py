@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from typing import Any
 
 from rich.console import Console
@@ -33,7 +34,14 @@ def _states(row: dict) -> str:
         m = row["ledger"]["memory"][0]
         return f"{_m(m['params'])}/{_m(m['grads'])}/{_m(m['optimizer_states'])} (peak {_m(m['peak_model_states'])})"
     s = row["model_states"][0]
-    return f"{_m(s['params'])}/{_m(s['grads'])}/{_m(s['optimizer_states'])}"
+    peak = f" (peak {_m(row['peer_peak'][0]['peak_model_states'])})" if "peer_peak" in row else ""
+    return f"{_m(s['params'])}/{_m(s['grads'])}/{_m(s['optimizer_states'])}{peak}"
+
+
+def _phases(row: dict) -> str:
+    """Medians of rank 0's forward / backward / optimizer-step seconds."""
+    ph = row.get("phases_s")
+    return "/".join(f"{statistics.median(ph[k]):.3f}" for k in ("fwd", "bwd", "opt")) if ph else "-"
 
 
 def _tiers(row: dict) -> str:
@@ -43,10 +51,17 @@ def _tiers(row: dict) -> str:
     return "/".join(_m(m[f"tier_{t}"]) for t in ("device", "host", "nvme"))
 
 
+def _peer_phi(row: dict) -> str:
+    """FSDP2's collectives counted in its untimed step, in Phi (marked "~": one step, not the window)."""
+    if "peer_peak" not in row:
+        return "-"
+    return f"~{row['peer_peak'][0]['paper_elements'] / row['phi']:.3f}"
+
+
 def system_table(run: dict[str, Any]) -> Table:
     rows, ratios, loss = run["rows"], run["ratios"], run["loss_max_abs_diff_vs_ddp"]
     table = Table(title=f"zeroshard bench: {run['model']} (Phi = {run['phi'] or 0:,})", title_justify="left")
-    for col in ("system", "step s median (min-max)", "x DDP", "tokens/s", "peak RSS MiB per rank",
+    for col in ("system", "step s median (min-max)", "x DDP", "fwd/bwd/opt s r0", "tokens/s", "peak RSS MiB per rank",
                 "model states MiB r0 P/G/O", "tiers MiB dev/host/nvme", "comm Phi/step", "sent MiB/step",
                 "|loss-DDP| max"):
         table.add_column(col, justify="left" if col == "system" else "right")
@@ -56,8 +71,8 @@ def system_table(run: dict[str, Any]) -> Table:
         table.add_row(
             name, f"{st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f})",
             f"{ratios[f'{name}/ddp']:.3f}" if f"{name}/ddp" in ratios else ("1.000" if name == "ddp" else "-"),
-            f"{row['tokens_per_s']:,.0f}", "/".join(f"{m:,.0f}" for m in row["peak_rss_mib"]), _states(row),
-            _tiers(row), f"{led['phi_per_step']:.3f}" if led else "-",
+            _phases(row), f"{row['tokens_per_s']:,.0f}", "/".join(f"{m:,.0f}" for m in row["peak_rss_mib"]), _states(row),
+            _tiers(row), f"{led['phi_per_step']:.3f}" if led else _peer_phi(row),
             f"{led['sent_bytes_per_step'] / MiB:,.1f}" if led else "-",
             f"{loss[name]:.2e}" if name in loss else "-")
     return table
@@ -66,15 +81,19 @@ def system_table(run: dict[str, Any]) -> Table:
 def print_report(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console(width=200)
     s = result["settings"]
+    rounds = s.get("rounds", 1)
     console.print(f"{s['nproc']} ranks x {s['threads']} thread(s), micro-batch {s['micro_batch']} x seq "
                   f"{s['seq_len']}, {'bf16' if s['bf16'] else 'fp32'}, AdamW (fused), {s['warmup']} warm-up + "
-                  f"{s['steps']} measured steps; {s['cpus']} CPUs", highlight=False)
+                  f"{s['steps']} measured steps" + (f" x {rounds} interleaved rounds (pooled)" if rounds > 1 else "")
+                  + f"; {s['cpus']} CPUs", highlight=False)
     for run in result["runs"].values():
         console.print(system_table(run))
         console.print("model states: zeroshard from memory_stats() (at rest after the last step, and the "
                       "simultaneous peak over the measured steps); peers counted from their real tensors after "
-                      "a backward and after a step. comm: zeroshard's comm_stats() per measured step (peers' "
-                      "collectives are their own and not counted).", highlight=False, style="dim")
+                      "a backward and after a step (FSDP2's peak adds its unsharded parameters, gradients and "
+                      "collective buffers, sampled in that untimed step). comm: zeroshard's comm_stats() per measured "
+                      "step; FSDP2's collectives counted in its untimed step (~); other peers' not counted. Phases: "
+                      "rank 0's forward, backward, optimizer step.", highlight=False, style="dim")
         if run["ratios"]:
             console.print("ratios of median step times: " + ", ".join(f"{k} {v:.3f}" for k, v in run["ratios"].items()),
                           highlight=False)

@@ -4,6 +4,8 @@ over plain dicts (what the JSON holds), so tests can recompute every figure.
 
 Step time: per step the slowest rank's time (barrier to end of optimizer step); median,
 min and max over the measured steps. Tokens/s: tokens of one global batch / median.
+Phases: rank 0's forward, backward and optimizer-step seconds of each measured step. With
+--rounds, a system's rows of every round are pooled into one (`pool_rounds`).
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["MiB", "PAIRS", "formula_bytes", "loss_agreement", "merge_ranks", "ratios", "stage_phi"]
+__all__ = ["MiB", "PAIRS", "formula_bytes", "loss_agreement", "merge_ranks", "pool_rounds", "ratios", "stage_phi"]
 
 MiB = 2**20
 
 # ratios of median step times worth reading beside "x DDP": (system, baseline)
 PAIRS = (("zs2", "ds2"), ("zs3", "fsdp2"), ("zs3", "ds3"), ("zs2_offload", "zs2"), ("zs3_offload", "zs3"),
          ("zs2_offload", "ds2_offload"), ("zs3_offload", "ds3_offload"), ("zs2_no_overlap", "zs2"),
-         ("zs2_no_contiguous", "zs2"), ("zs3_defaults", "zs3"), ("fsdp2", "ddp"))
+         ("zs2_no_contiguous", "zs2"), ("zs3_defaults", "zs3"), ("zs2_ds", "zs2"), ("zs3_fsdp2", "fsdp2"),
+         ("zs3_fsdp2", "zs3"), ("fsdp2", "ddp"))
 
 # The ZeRO paper's volume per step in units of Phi (DESIGN.md section 1): every system moves
 # 2 Phi through stages 0-2 and 3 Phi at stage 3.
@@ -61,7 +64,10 @@ def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) 
         "peak_rss_reset": all(r["peak_rss_reset"] for r in per_rank),
         "model_states": [r["model_states"] for r in per_rank],
         "losses": losses, "init_s": r0["init_s"],
+        "phases_s": {k: [p[i] for p in r0["phases_s"][warm:]] for i, k in enumerate(("fwd", "bwd", "opt"))},
     }
+    if "peer_peak" in r0:
+        row["peer_peak"] = [r["peer_peak"] for r in per_rank]
     if "ledgers" in r0:
         led = r0["ledgers"]
         row["ledger"] = {
@@ -95,3 +101,22 @@ def loss_agreement(rows: dict[str, dict[str, Any]], reference: str = "ddp") -> d
     ref = rows[reference]["losses"]
     return {name: max(abs(a - b) for a, b in zip(row["losses"], ref))
             for name, row in rows.items() if name != reference}
+
+
+def pool_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's rows from several interleaved rounds as one: the measured steps and phases of
+    all rounds pooled (median, min, max over them; each round's median kept in `round_medians`),
+    the largest peak RSS per rank; losses, ledgers and model states from the last round (the same
+    every round: same seed, same batches)."""
+    if len(rows) == 1:
+        return rows[0]
+    last = rows[-1]
+    steps = [t for r in rows for t in r["step_time_s"]["steps"]]
+    median = statistics.median(steps)
+    return {**last, "rounds": len(rows),
+            "step_time_s": {"median": median, "min": min(steps), "max": max(steps), "steps": steps,
+                            "round_medians": [r["step_time_s"]["median"] for r in rows]},
+            "tokens_per_s": last["tokens_per_step"] / median,
+            "peak_rss_mib": [max(ms) for ms in zip(*(r["peak_rss_mib"] for r in rows))],
+            "phases_s": {k: [t for r in rows for t in r["phases_s"][k]] for k in last["phases_s"]},
+            "wall_s": sum(r.get("wall_s", 0.0) for r in rows)}

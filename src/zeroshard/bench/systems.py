@@ -2,7 +2,8 @@
 
 One entry per system. A zeroshard mode is its ZeRO stage and the `zero_optimization`
 keys it adds to the shared config, so a new mode (NVMe, ZeRO++) is one line in
-`SYSTEMS`; `{dir}` in a value is replaced by a scratch folder made for that run.
+`SYSTEMS`; `{dir}` in a value is replaced by a scratch folder made for that run, and a
+value `"{unit}"` by the element count of the model's largest stage-3 unit (a Block).
 Peers (DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed) are named by family and stage and
 built by `bench.peers`.
 """
@@ -17,11 +18,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_SYSTEMS", "SYSTEMS", "BenchSystem", "deepspeed_problem", "resolve_systems"]
+__all__ = ["DEEPSPEED_BUCKET", "DEFAULT_SYSTEMS", "SYSTEMS", "BenchSystem", "deepspeed_problem", "resolve_systems"]
 
 # Stage 3 as the ZeRO paper describes it (and as FSDP2's reshard_after_forward=True does):
 # each unit released right after its forward and gathered again for its backward.
 _PAPER_STAGE3 = {"stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}
+# Stage 3 on FSDP2's schedule (bench/bench_stage3.py): prefetch one unit ahead, keep a unit that is
+# reused within one unit (the last Block, from forward into backward); persistence left at 1e5.
+_FSDP2_STAGE3 = {"stage3_prefetch_bucket_size": "{unit}", "stage3_max_reuse_distance": "{unit}"}
+DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather_bucket_size default (elements)
 
 
 @dataclass(frozen=True)
@@ -38,11 +43,14 @@ class BenchSystem:
         """The tier the optimizer states live on, when not the device."""
         return (self.zero.get("offload_optimizer") or {}).get("device")
 
-    def zero_config(self, scratch: str) -> dict[str, Any]:
-        """`zero_optimization` for this system, `{dir}` placeholders filled with `scratch`."""
+    def zero_config(self, scratch: str, unit: int = 0) -> dict[str, Any]:
+        """`zero_optimization` for this system, `{dir}` placeholders filled with `scratch`, a
+        value `"{unit}"` replaced by `unit` (elements of one stage-3 unit)."""
         def fill(v):
             if isinstance(v, dict):
                 return {k: fill(x) for k, x in v.items()}
+            if v == "{unit}":
+                return unit
             return v.replace("{dir}", scratch) if isinstance(v, str) else v
         return {"stage": self.stage, **fill(self.zero)}
 
@@ -50,12 +58,12 @@ class BenchSystem:
     def needs_scratch(self) -> bool:
         return "{dir}" in repr(self.zero)
 
-    def config(self, micro_batch: int, scratch: str = "", **extra: Any) -> dict[str, Any]:
+    def config(self, micro_batch: int, scratch: str = "", unit: int = 0, **extra: Any) -> dict[str, Any]:
         """The DeepSpeed-style config this system runs (zeroshard's and DeepSpeed's): one micro-batch
         per step, no gradient clipping, no step log, `extra` keys, then `zero_optimization`."""
         return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
                 "steps_per_print": 10**9, "gradient_clipping": 0.0, **extra,
-                "zero_optimization": self.zero_config(scratch)}
+                "zero_optimization": self.zero_config(scratch, unit)}
 
 
 def _zs(name: str, stage: int, description: str, default: bool = True, **zero) -> BenchSystem:
@@ -79,6 +87,10 @@ SYSTEMS: dict[str, BenchSystem] = {s.name: s for s in (
     _zs("zs2_no_contiguous", 2, "zeroshard stage 2 with contiguous_gradients: false",
         contiguous_gradients=False),
     _zs("zs3_defaults", 3, "zeroshard stage 3 with its own defaults for reuse and persistence", default=False),
+    _zs("zs2_ds", 2, "zeroshard stage 2 with DeepSpeed's default buckets (5e8 elements: one bucket here)",
+        default=False, reduce_bucket_size=DEEPSPEED_BUCKET, allgather_bucket_size=DEEPSPEED_BUCKET),
+    _zs("zs3_fsdp2", 3, "zeroshard stage 3 on FSDP2's schedule: prefetch one unit, keep a unit reused within one",
+        default=False, **_FSDP2_STAGE3),
     BenchSystem("ds0", "deepspeed", 0, "DeepSpeed stage 0, client AdamW(fused)"),
     BenchSystem("ds1", "deepspeed", 1, "DeepSpeed stage 1, client AdamW(fused)"),
     BenchSystem("ds2", "deepspeed", 2, "DeepSpeed stage 2 (its defaults), client AdamW(fused)", default=True),
