@@ -107,7 +107,7 @@ def adapter_tensor_names(names: list[str], trainable: dict[str, bool]) -> tuple[
     return lora, (next(iter(adapters)) if adapters else None), others
 
 
-def _rebuilt_config(names: list[str], shapes: dict[str, list[int]], adapter: str, lora_alpha: float | None,
+def _rebuilt_config(names: list[str], shapes: dict[str, tuple[int, ...]], adapter: str, lora_alpha: float | None,
                     model_class: str | None, where: str) -> dict[str, Any]:
     if lora_alpha is None:
         raise CheckpointError(f"{where}: the checkpoint does not record the adapter's peft config, and lora_alpha "
@@ -167,6 +167,7 @@ def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
                 f"{reader.dir}: trainable tensors that are not LoRA adapters ({', '.join(others[:3])}"
                 f"{', ...' if len(others) > 3 else ''}) would be lost by --adapter-only (peft saves them as "
                 "modules_to_save); use --exclude-frozen for every trainable tensor in the full format")
+        shapes = {n: tuple(reader.tensors[n]["shape"]) for n in lora}
         recorded = reader.meta.get(PEFT_META_KEY)
         if recorded:
             config = dict(recorded["config"])
@@ -174,16 +175,12 @@ def export_adapter(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
                 raise CheckpointError(f"{where}: --lora-alpha {lora_alpha} differs from the recorded "
                                       f"lora_alpha {config.get('lora_alpha')}; leave it out")
         else:
-            shapes = {n: reader.tensors[n]["shape"] for n in lora}
             config = _rebuilt_config(lora, shapes, adapter, lora_alpha, reader.meta.get("model_class"), where)
         # Size and sha256 of the files holding master shards (the frozen shards share them; hashing
         # streams from disk, nothing is kept); optimizer files are not needed.
         reader.verify([f for f in reader.files if ".optim." not in f])
-        entries = []
-        for n in lora:
-            shape = tuple(reader.tensors[n]["shape"])
-            entries.append(Entry(peft_key(n, adapter), shape, target,
-                                 lambda n=n, shape=shape: reader.read(n).to(target).view(shape)))
+        entries = [Entry(peft_key(n, adapter), shapes[n], target, lambda n=n: reader.read(n).to(target).view(shapes[n]))
+                   for n in lora]
         return _write_adapter(os.fspath(out_dir), entries, config)
 
 

@@ -35,8 +35,7 @@ def all_records(comm, record: dict[str, Any], device: torch.device) -> list[dict
 
 def agree(comm, error: BaseException | None, device: torch.device, doing: str) -> None:
     """Raise on every rank if any rank passes an error: its own, or the first failing rank's."""
-    text = None if error is None else str(error)
-    records = all_records(comm, {"error": text}, device)
+    records = all_records(comm, {"error": None if error is None else str(error)}, device)
     failed = [(r, rec["error"]) for r, rec in enumerate(records) if rec["error"] is not None]
     if error is not None:
         raise error

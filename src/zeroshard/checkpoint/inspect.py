@@ -63,11 +63,9 @@ def _deepspeed_report(path: str | os.PathLike, tag: str | None, verify: bool) ->
         meta = reader.meta
         buckets = []
         for i, g in enumerate(reader.groups):
-            numel = sum(math.prod(int(d) for d in s) for _, s in g)
-            if reader.stage == 3:
-                padded = sum(math.ceil(math.prod(int(d) for d in s) / reader.world_size) for _, s in g) * reader.world_size
-            else:
-                padded = reader.partition_sizes[i] * reader.world_size
+            numel = sum(math.prod(s) for _, s in g)  # shapes: tuples of int
+            padded = reader.world_size * (sum(math.ceil(math.prod(s) / reader.world_size) for _, s in g)
+                                          if reader.stage == 3 else reader.partition_sizes[i])
             buckets.append({"bucket": i, "dtype": str(reader.compute_dtype).replace("torch.", ""), "group": i,
                             "params": len(g), "numel": numel, "padded_numel": padded, "shards": reader.world_size,
                             "fields": ["master"] + [f"optim.{k}" for k in meta["optimizer"]["states"]]})

@@ -55,7 +55,6 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
             prepare_tag(save_dir, tmp)
 
     table = name_table_of(ts)
-    record: dict[str, Any] = {}
     error: BaseException | None = None
     try:
         part = rank_file(ts, table)
@@ -175,16 +174,10 @@ def commit_tag(save_dir: str, tmp: str, tag: str, meta: dict[str, Any], keep_las
         prune(save_dir, keep_last, keep=tag)
 
 
-def prune(save_dir: str, keep_last: int, keep: str) -> list[str]:
-    """Remove all but the newest `keep_last` tags (never `keep`); returns the removed tags."""
-    tags = []
-    for name in os.listdir(save_dir):
-        meta = os.path.join(save_dir, name, META)
-        if not name.startswith(".") and os.path.isfile(meta):
-            tags.append((os.path.getmtime(meta), name))
-    removed = []
-    for _, name in sorted(tags)[: max(0, len(tags) - keep_last)]:
+def prune(save_dir: str, keep_last: int, keep: str) -> None:
+    """Remove all but the newest `keep_last` tags (never `keep`)."""
+    metas = [(os.path.join(save_dir, name, META), name) for name in os.listdir(save_dir) if not name.startswith(".")]
+    tags = sorted((os.path.getmtime(meta), name) for meta, name in metas if os.path.isfile(meta))
+    for _, name in tags[: max(0, len(tags) - keep_last)]:
         if name != keep:
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-            removed.append(name)
-    return removed

@@ -31,18 +31,6 @@ from zeroshard.checkpoint.reader import TensorIndex
 from zeroshard.policies import CheckpointError
 
 
-def _as_int(v: Any) -> int:
-    if isinstance(v, safe_load.Record):
-        v = v.value
-    if torch.is_tensor(v):
-        v = v.item()
-    return int(v)
-
-
-def _numel(shape) -> int:
-    return math.prod(int(d) for d in shape)
-
-
 class DeepSpeedCheckpoint(TensorIndex):
     """One DeepSpeed tag. `meta` has the keys zeroshard's loaders read from `meta.json`
     (names, tensors, tied, optimizer, counters, lr_scheduler, loss_scaler, client_state),
@@ -144,9 +132,10 @@ class DeepSpeedCheckpoint(TensorIndex):
             if stage == 3 and r not in self.model_files:
                 self._load_model_file(r)
         first = self._optim(0)
-        file_stage = first.get("zero_stage")
+        file_stage = first.get("zero_stage")  # a ZeroStageEnum Record, a tensor or an int
         if file_stage is not None:
-            self.stage = _as_int(file_stage)
+            file_stage = file_stage.value if isinstance(file_stage, safe_load.Record) else file_stage
+            self.stage = int(file_stage.item() if torch.is_tensor(file_stage) else file_stage)
         fp16 = (cfg.get("fp16") or {}).get("enabled", False) if isinstance(cfg.get("fp16"), dict) else False
         bf16 = any((cfg.get(k) or {}).get("enabled", False) for k in ("bf16", "bfloat16") if isinstance(cfg.get(k), dict))
         self.compute_dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
@@ -166,14 +155,10 @@ class DeepSpeedCheckpoint(TensorIndex):
             names.append(name)
             if name in self.tied:
                 continue
-            if name in trainable:
-                shape, is_trainable = trainable[name], True
-            elif name in self.frozen:
-                shape, is_trainable = self.frozen[name], False
-            else:
-                shape, is_trainable = tuple(t.shape), False
+            shape = trainable.get(name, self.frozen.get(name))
             dtype = t.dtype if torch.is_tensor(t) else self.compute_dtype
-            self.tensors[name] = {"shape": list(shape), "dtype": str(dtype), "trainable": is_trainable}
+            self.tensors[name] = {"shape": list(tuple(t.shape) if shape is None else shape), "dtype": str(dtype),
+                                  "trainable": name in trainable}
         for name, shape in list(trainable.items()) + list(self.frozen.items()):  # a parameter missing from module
             if name not in self.tensors and name not in self.tied:
                 names.append(name)
@@ -191,24 +176,21 @@ class DeepSpeedCheckpoint(TensorIndex):
     def _map_partitions(self, first: dict[str, Any]) -> None:
         world = self.world_size
         if self.stage == 0:  # each parameter its own flat tensor (index j of the torch optimizer's state)
-            j = 0
-            for gi, g in enumerate(self.groups):
-                for name, shape in g:
-                    self.where[name] = [Run(0, j, 0, 0, _numel(shape))]
-                    self._group_of[name] = gi
-                    j += 1
-            self.partition_sizes = [sum(_numel(s) for _, s in g) for g in self.groups]
+            for j, (gi, name, shape) in enumerate((gi, n, s) for gi, g in enumerate(self.groups) for n, s in g):
+                self.where[name] = [Run(0, j, 0, 0, math.prod(shape))]
+                self._group_of[name] = gi
+            self.partition_sizes = [sum(math.prod(s) for _, s in g) for g in self.groups]
             self._flat_key = stage0.VALUES
             return
         if self.stage == 3:
             sizes = [t.numel() for t in first.get("fp32_flat_groups", [])]
             if 0 in sizes and os.path.isdir(os.path.join(self.dir, FOLDER)):  # swapped to NVMe
-                want = [sum(math.ceil(_numel(s) / world) for _, s in g) for g in self.groups]
+                want = [sum(math.ceil(math.prod(s) / world) for _, s in g) for g in self.groups]
                 swapped = [i for i, n in enumerate(sizes) if n == 0 and i < len(want) and want[i]]
                 sizes = [want[i] if i in swapped else n for i, n in enumerate(sizes)]
                 self._offloaded = Offloaded(self.dir, swapped, sizes)
             flat = [(n, s) for g in self.groups for n, s in g]
-            runs = layout.stage3_runs([_numel(s) for _, s in flat], world, sizes)
+            runs = layout.stage3_runs([math.prod(s) for _, s in flat], world, sizes)
             _, param_groups, _ = self.base_state(first)
             group_of_flat = {int(i): gi for gi, g in enumerate(param_groups) for i in g.get("params", [])}
             for (name, _), r in zip(flat, runs):
@@ -223,21 +205,19 @@ class DeepSpeedCheckpoint(TensorIndex):
         if n_groups != len(self.groups):
             raise CheckpointError(f"{self._optim_file(0)}: {n_groups} flat groups, but the model file lists "
                                   f"{len(self.groups)} parameter groups")
-        lengths = [[0] * world for _ in range(n_groups)]
-        paddings = [[0] * world for _ in range(n_groups)]
+        lengths, paddings = [], []  # [rank][group]
         for r in range(world):
             opt = self._optim(r)
             parts = opt.get(key)
             if not isinstance(parts, list) or len(parts) != n_groups:
                 raise CheckpointError(f"{self._optim_file(r)}: {key!r} differs in form from rank 0's")
-            pads = opt.get("group_paddings") or [0] * n_groups
-            for i in range(n_groups):
-                lengths[i][r] = parts[i].numel()
-                paddings[i][r] = int(pads[i])
+            lengths.append([t.numel() for t in parts])
+            paddings.append([int(p) for p in opt.get("group_paddings") or [0] * n_groups])
         self.partition_sizes = []
         for i, g in enumerate(self.groups):
-            numels = [_numel(s) for _, s in g]
-            size = layout.partition_size(lengths[i], paddings[i], sum(numels), f"{self.dir} (param group {i})")
+            numels = [math.prod(s) for _, s in g]
+            size = layout.partition_size([n[i] for n in lengths], [p[i] for p in paddings], sum(numels),
+                                         f"{self.dir} (param group {i})")
             self.partition_sizes.append(size)
             for (name, _), runs in zip(g, layout.flat_group_runs(numels, size, flat=i)):
                 self.where[name] = runs

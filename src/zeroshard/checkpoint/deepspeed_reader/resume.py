@@ -76,16 +76,13 @@ def _load_scheduler(reader: DeepSpeedCheckpoint, sched, saved: dict, ts) -> None
         sched.last_epoch = int(state["last_batch_iteration"]) + 1  # zeroshard: last_batch_iteration = last_epoch - 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            lrs = list(sched.get_lr())
-        sched._last_lr = lrs
-        for group, lr in zip(ts.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        return
-    if isinstance(state, dict) and set(state) <= set(sched.state_dict()) and ds_class in (None, mine):
+            sched._last_lr = list(sched.get_lr())
+    elif isinstance(state, dict) and set(state) <= set(sched.state_dict()) and ds_class in (None, mine):
         sched.load_state_dict(state)  # a client's torch scheduler, saved by DeepSpeed as its state dict
-        for group, lr in zip(ts.optimizer.param_groups, sched.get_last_lr()):
-            group["lr"] = lr
-        return
-    raise CheckpointError(f"{reader.dir}: the LR scheduler state saved by DeepSpeed ({ds_class or 'a client scheduler'}: "
-                          f"{sorted(state) if isinstance(state, dict) else type(state).__name__}) does not fit the "
-                          f"engine's {mine}; pass load_lr_scheduler_states=False")
+    else:
+        raise CheckpointError(f"{reader.dir}: the LR scheduler state saved by DeepSpeed "
+                              f"({ds_class or 'a client scheduler'}: "
+                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}) does not fit the "
+                              f"engine's {mine}; pass load_lr_scheduler_states=False")
+    for group, lr in zip(ts.optimizer.param_groups, sched.get_last_lr()):
+        group["lr"] = lr

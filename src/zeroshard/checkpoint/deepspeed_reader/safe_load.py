@@ -93,9 +93,7 @@ def load(path: str, mmap: bool = True) -> Any:
                 if mmap and "mmap" in str(exc):  # the pre-1.6 (non-zip) format cannot be mapped
                     return torch.load(path, map_location="cpu", weights_only=True)
                 raise
-    except CheckpointError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # (nothing inside raises CheckpointError: Records only store what they are given)
         raise _explain(path, exc) from None
 
 

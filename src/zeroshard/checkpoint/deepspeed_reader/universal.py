@@ -73,19 +73,16 @@ class UniversalCheckpoint(DeepSpeedCheckpoint):
         if missing:
             raise CheckpointError(f"{self._state_path(missing[0], 'fp32')}: missing ({len(missing)} of "
                                   f"{len(self._names)} parameters have no fp32.pt); the universal checkpoint is incomplete")
-        self._add_files()
-
-    def _add_files(self) -> None:
-        """The files of the description (`inspect`, `verify`): the optimizer dict and every
-        parameter's state files, beside the model files the base class lists."""
-        self._state_files = [OPTIMIZER_FILE]
-        for name in self._names:
-            folder = os.path.dirname(self._state_path(name, "fp32"))
-            self._state_files += sorted(os.path.join("zero", name, f) for f in os.listdir(folder) if f.endswith(".pt"))
 
     def _build_meta(self) -> None:
         super()._build_meta()
-        for rel in self._state_files:
+        # the files of the description (`inspect`, `verify`), beside the model files the base class
+        # lists: the optimizer dict and every parameter's state files
+        state_files = [OPTIMIZER_FILE]
+        for name in self._names:
+            folder = os.path.dirname(self._state_path(name, "fp32"))
+            state_files += sorted(os.path.join("zero", name, f) for f in os.listdir(folder) if f.endswith(".pt"))
+        for rel in state_files:
             self.meta["files"][rel] = {"rank": 0, "bytes": os.path.getsize(self.path_of(rel)), "sha256": None}
         self.meta["universal"] = True
 
@@ -138,12 +135,8 @@ class UniversalCheckpoint(DeepSpeedCheckpoint):
 
     def _scalar(self, rank: int, flat: int, key: str) -> torch.Tensor:
         name = self._names[flat]
-        if os.path.isfile(self._state_path(name, key)):
-            value = self._load(name, key)
-        elif key == "step":
-            value = self._saved_step(name)
-        else:
-            value = None
+        value = (self._load(name, key) if os.path.isfile(self._state_path(name, key))
+                 else self._saved_step(name) if key == "step" else None)
         if value is None:
             raise CheckpointError(f"{self._state_path(name, key)}: missing; the universal checkpoint has no {key!r} "
                                   f"for {name!r}")
