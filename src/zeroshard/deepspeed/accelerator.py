@@ -47,7 +47,7 @@ class ZeroshardAccelerator:
 
     # -- what the device is ---------------------------------------------------------------
     def is_available(self) -> bool:
-        return True if not self._cuda else torch.cuda.is_available()
+        return not self._cuda or torch.cuda.is_available()
 
     def is_synchronized_device(self) -> bool:
         return not self._cuda
@@ -58,9 +58,7 @@ class ZeroshardAccelerator:
         return "nccl" if self._cuda else "gloo"
 
     def device_name(self, device_index: int | None = None) -> str:
-        if self._cuda and device_index is not None:
-            return f"cuda:{device_index}"
-        return self._name
+        return f"cuda:{device_index}" if self._cuda and device_index is not None else self._name
 
     def device(self, device_index: int | None = None):
         return torch.cuda.device(device_index) if self._cuda else None
@@ -70,17 +68,14 @@ class ZeroshardAccelerator:
             torch.cuda.set_device(device_index)
 
     def current_device(self) -> int:
-        if self._cuda:
-            return torch.cuda.current_device()
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.cuda.current_device() if self._cuda else int(os.environ.get("LOCAL_RANK", "0"))
 
     def current_device_name(self) -> str:
         return f"cuda:{torch.cuda.current_device()}" if self._cuda else "cpu"
 
     def device_count(self) -> int:
-        if self._cuda:
-            return torch.cuda.device_count()
-        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+        local = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1"))
+        return torch.cuda.device_count() if self._cuda else int(local)
 
     def synchronize(self, device_index=None) -> None:
         if self._cuda:
@@ -96,12 +91,7 @@ class ZeroshardAccelerator:
         return True if self._cuda else bool(torch.backends.mkldnn.is_available())
 
     def supported_dtypes(self) -> list[torch.dtype]:
-        dtypes = [torch.float]
-        if self.is_bf16_supported():
-            dtypes.append(torch.bfloat16)
-        if self.is_fp16_supported():
-            dtypes.append(torch.float16)
-        return dtypes
+        return [torch.float] + [torch.bfloat16] * self.is_bf16_supported() + [torch.float16] * self.is_fp16_supported()
 
     def is_triton_supported(self) -> bool:
         return False
@@ -157,10 +147,7 @@ class ZeroshardAccelerator:
         return torch.cuda.memory_allocated(device_index) if self._cuda else self._rss()
 
     def max_memory_allocated(self, device_index=None) -> int:
-        if self._cuda:
-            return torch.cuda.max_memory_allocated(device_index)
-        self._rss()
-        return self._max_rss
+        return torch.cuda.max_memory_allocated(device_index) if self._cuda else max(self._max_rss, self._rss())
 
     def reset_max_memory_allocated(self, device_index=None) -> None:
         if self._cuda:
@@ -184,8 +171,7 @@ class ZeroshardAccelerator:
     def memory_stats(self, device_index=None) -> dict:
         if self._cuda:
             return torch.cuda.memory_stats(device_index)
-        now = self._rss()
-        return {"allocated_bytes.all.current": now, "allocated_bytes.all.peak": self._max_rss}
+        return {"allocated_bytes.all.current": self._rss(), "allocated_bytes.all.peak": self._max_rss}
 
     def total_memory(self, device_index=None) -> int:
         if self._cuda:
@@ -193,9 +179,7 @@ class ZeroshardAccelerator:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def available_memory(self, device_index=None) -> int:
-        if self._cuda:
-            return torch.cuda.mem_get_info(device_index)[0]
-        return _meminfo("MemAvailable")
+        return torch.cuda.mem_get_info(device_index)[0] if self._cuda else _meminfo("MemAvailable")
 
     # -- streams and events ----------------------------------------------------------------------
     @property

@@ -25,11 +25,10 @@ _DEFAULT_TIMEOUT_S = RuntimePolicy().comm_timeout_s
 
 
 def _timeout_s(timeout) -> float:
+    """None (the default), a timedelta or a number of seconds, as seconds."""
     if timeout is None:
         return _DEFAULT_TIMEOUT_S
-    if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    return float(timeout)
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,

@@ -188,12 +188,8 @@ class DeepSpeedEngine(nn.Module):
         if engine.rank != 0:
             return {}
         frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
-        out = {}
-        for name, t in full.items():
-            if exclude_frozen_parameters and name in frozen:
-                continue
-            out[name] = t.to(engine.compute_dtype) if t.is_floating_point() else t
-        return out
+        return {name: t.to(engine.compute_dtype) if t.is_floating_point() else t for name, t in full.items()
+                if not (exclude_frozen_parameters and name in frozen)}
 
     _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
 
@@ -234,7 +230,8 @@ class DeepSpeedEngine(nn.Module):
                               "safetensors checkpoints")
         load_dir = os.fspath(load_dir)
         tag = None if tag is None else str(tag)
-        if _nothing_to_load(load_dir, tag):
+        ds_tag = find_deepspeed_tag(load_dir, tag)
+        if ds_tag is None and _nothing_to_load(load_dir, tag):
             if engine.rank == 0:
                 where = os.path.join(load_dir, tag) if tag is not None else os.path.join(load_dir, LATEST)
                 log.warning("load_checkpoint: %s does not exist; no checkpoint loaded", where)
@@ -242,7 +239,6 @@ class DeepSpeedEngine(nn.Module):
         if not load_module_strict and engine.rank == 0:
             log.info("load_checkpoint: load_module_strict=False is accepted, but zeroshard still requires the "
                      "checkpoint's parameter names and shapes to match the model")
-        ds_tag = find_deepspeed_tag(load_dir, tag)
         path = resolve(load_dir, tag) if ds_tag is None else _deepspeed_model_file(ds_tag)
         counters = (engine.global_steps, engine.micro_steps, engine.skipped_steps)
         if load_module_only:
@@ -296,10 +292,9 @@ def _deepspeed_model_file(tag_dir: str) -> str:
 
 
 def _nothing_to_load(load_dir: str, tag: str | None) -> bool:
+    """No zeroshard checkpoint at `load_dir` (a DeepSpeed one is looked for first)."""
     if not os.path.isdir(load_dir):
         return True
-    if find_deepspeed_tag(load_dir, tag) is not None:
-        return False
     if tag is None:
         return not (os.path.isfile(os.path.join(load_dir, LATEST)) or os.path.isfile(os.path.join(load_dir, META)))
     return not (os.path.isdir(os.path.join(load_dir, tag)) or os.path.isdir(os.path.join(load_dir, OLD_PREFIX + tag)))

@@ -111,10 +111,8 @@ def _as_list(model_parameters) -> list[Any] | None:
 
 def _is_all_trainable(params: list[Any], model: nn.Module) -> bool:
     """One plain list of exactly the model's trainable parameters: the config path as is."""
-    if not all(torch.is_tensor(p) for p in params):
-        return False
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    return {id(p) for p in params} == trainable
+    return (all(torch.is_tensor(p) for p in params)
+            and {id(p) for p in params} == {id(p) for p in model.parameters() if p.requires_grad})
 
 
 def _freeze_unoptimized(model: nn.Module, template: torch.optim.Optimizer) -> None:
