@@ -88,12 +88,6 @@ def check_args(args: argparse.Namespace) -> str | None:
     return check_nproc(args.nproc)
 
 
-def _list_systems() -> int:
-    for name, s in SYSTEMS.items():
-        print(f"{name:<18} {'default ' if s.default else '        '}{s.description}")
-    return 0
-
-
 def _measure(args: argparse.Namespace, report: bool) -> tuple[int, dict | None]:
     """Check, run, write bench.json (and print the report when `report`); (exit code, result)."""
     args.models = [model_spec(m.strip()) for m in (args.sizes.split(",") if args.sizes else [args.model or "10M"])
@@ -114,8 +108,7 @@ def _measure(args: argparse.Namespace, report: bool) -> tuple[int, dict | None]:
     result["notes"] = notes
     if report:
         print_report(result)
-    paths = write_outputs(result, args.out)
-    for p in paths:
+    for p in write_outputs(result, args.out):
         print(p, flush=True)
     failed = [f"{m}:{name}" for m, run_ in result["runs"].items() for name in run_["failed"]]
     if failed:
@@ -126,7 +119,9 @@ def _measure(args: argparse.Namespace, report: bool) -> tuple[int, dict | None]:
 
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        return _list_systems()
+        for name, s in SYSTEMS.items():
+            print(f"{name:<18} {'default ' if s.default else '        '}{s.description}")
+        return 0
     return _measure(args, report=True)[0]
 
 

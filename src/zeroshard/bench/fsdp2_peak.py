@@ -31,13 +31,8 @@ COLLECTIVES = {
 
 def _fsdp_params(module: nn.Module) -> list:
     """Every FSDPParam of the module tree (one per original parameter)."""
-    out = []
-    for m in module.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        group = state()._fsdp_param_group if state is not None else None
-        if group is not None:
-            out.extend(group.fsdp_params)
-    return out
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in module.modules() if hasattr(m, "_get_fsdp_state")]
+    return [fp for group in groups if group is not None for fp in group.fsdp_params]
 
 
 class TransientSampler:

@@ -27,10 +27,6 @@ __all__ = ["run_all", "run_system"]
 EXIT_GRACE_S = 60.0
 
 
-def _slug(model: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
-
-
 def _last_error(log_path: str, lines: int = 6) -> str:
     try:
         with open(log_path, errors="replace") as fh:
@@ -141,7 +137,7 @@ def run_all(args: argparse.Namespace, systems: list[BenchSystem]) -> dict[str, A
                 i += 1
                 head = f"[{i}/{total}] {model} {system.name}" + (f" round {rnd + 1}/{rounds}" if rounds > 1 else "")
                 print(f"{head}: running ({system.description})", flush=True)
-                folder = os.path.join(args.out, "runs", _slug(model), system.name)
+                folder = os.path.join(args.out, "runs", re.sub(r"[^A-Za-z0-9_.-]+", "_", model), system.name)
                 row, status = run_system(args, model, system, os.path.join(folder, f"round{rnd + 1}")
                                          if rounds > 1 else folder)
                 print(f"{head}: {status}", flush=True)

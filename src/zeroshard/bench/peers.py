@@ -70,11 +70,8 @@ class TensorCount:
     def add_all(self, category: str, value) -> None:
         if torch.is_tensor(value):
             self.add(category, value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                self.add_all(category, v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
+        elif isinstance(value, (dict, list, tuple)):
+            for v in value.values() if isinstance(value, dict) else value:
                 self.add_all(category, v)
 
 
@@ -132,20 +129,11 @@ class PeerRunner:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def forward_backward(self, x, y) -> torch.Tensor:
-        loss = self.forward(x, y)
-        self.backward(loss)
-        return loss
-
     def _update(self) -> None:
         self.optimizer.step()
 
     def _clear_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self) -> None:
-        self._update()
-        self._clear_grads()
 
     def step(self, x, y) -> float:
         t0 = time.perf_counter()
@@ -153,7 +141,8 @@ class PeerRunner:
         t1 = time.perf_counter()
         self.backward(loss)
         t2 = time.perf_counter()
-        self.optimizer_step()
+        self._update()
+        self._clear_grads()
         self.phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return float(loss.detach().float())
 
@@ -162,7 +151,7 @@ class PeerRunner:
 
     def model_states(self, x, y) -> dict[str, int]:
         """One untimed step: the larger of each category after backward and after the step."""
-        self.forward_backward(x, y)
+        self.backward(self.forward(x, y))
         after_backward = count_states(self.module, self.optimizer, self.internals())
         self._update()
         after_step = count_states(self.module, self.optimizer, self.internals())
@@ -252,9 +241,17 @@ def build_peer(system: BenchSystem, module: nn.Module, unit_classes: list[str], 
         fsdp2(module, unit_classes, bf16)
         opt = torch.optim.AdamW(module.parameters(), fused=True, **AdamW.kwargs())
         return FSDP2Runner(module, module, opt, autocast=False)
-    if system.family == "deepspeed":
-        return _deepspeed(system, module, micro_batch, bf16)
-    raise ValueError(f"{system.name}: not a peer system (family {system.family})")
+    if system.family != "deepspeed":
+        raise ValueError(f"{system.name}: not a peer system (family {system.family})")
+    cfg = system.config(micro_batch, bf16={"enabled": bf16}, zero_allow_untested_optimizer=True,
+                        wall_clock_breakdown=False)
+    client = None
+    if system.offload:  # DeepSpeed's own host kernel, as its offload users get
+        cfg["optimizer"] = AdamW.config()
+    else:  # the same fused torch kernel as every other system
+        client = torch.optim.AdamW(module.parameters(), fused=True, **AdamW.kwargs())
+    engine, opt = deepspeed_engine(module, cfg, client)
+    return DeepSpeedRunner(engine.module, engine, opt, autocast=False)
 
 
 def deepspeed_engine(module: nn.Module, config: dict[str, Any], client=None):
@@ -268,14 +265,3 @@ def deepspeed_engine(module: nn.Module, config: dict[str, Any], client=None):
                                              optimizer=client, config=config, dist_init_required=False)
     return engine, opt
 
-
-def _deepspeed(system: BenchSystem, module: nn.Module, micro_batch: int, bf16: bool) -> DeepSpeedRunner:
-    cfg = system.config(micro_batch, bf16={"enabled": bf16}, zero_allow_untested_optimizer=True,
-                        wall_clock_breakdown=False)
-    client = None
-    if system.offload:  # DeepSpeed's own host kernel, as its offload users get
-        cfg["optimizer"] = AdamW.config()
-    else:  # the same fused torch kernel as every other system
-        client = torch.optim.AdamW(module.parameters(), fused=True, **AdamW.kwargs())
-    engine, opt = deepspeed_engine(module, cfg, client)
-    return DeepSpeedRunner(engine.module, engine, opt, autocast=False)

@@ -44,13 +44,6 @@ def _phases(row: dict) -> str:
     return "/".join(f"{statistics.median(ph[k]):.3f}" for k in ("fwd", "bwd", "opt")) if ph else "-"
 
 
-def _tiers(row: dict) -> str:
-    if "ledger" not in row:
-        return "-"
-    m = row["ledger"]["memory"][0]
-    return "/".join(_m(m[f"tier_{t}"]) for t in ("device", "host", "nvme"))
-
-
 def _peer_phi(row: dict) -> str:
     """FSDP2's collectives counted in its untimed step, in Phi (marked "~": one step, not the window)."""
     if "peer_peak" not in row:
@@ -72,7 +65,8 @@ def system_table(run: dict[str, Any]) -> Table:
             name, f"{st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f})",
             f"{ratios[f'{name}/ddp']:.3f}" if f"{name}/ddp" in ratios else ("1.000" if name == "ddp" else "-"),
             _phases(row), f"{row['tokens_per_s']:,.0f}", "/".join(f"{m:,.0f}" for m in row["peak_rss_mib"]), _states(row),
-            _tiers(row), f"{led['phi_per_step']:.3f}" if led else _peer_phi(row),
+            "/".join(_m(led["memory"][0][f"tier_{t}"]) for t in ("device", "host", "nvme")) if led else "-",
+            f"{led['phi_per_step']:.3f}" if led else _peer_phi(row),
             f"{led['sent_bytes_per_step'] / MiB:,.1f}" if led else "-",
             f"{loss[name]:.2e}" if name in loss else "-")
     return table

@@ -70,14 +70,10 @@ def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) 
         row["peer_peak"] = [r["peer_peak"] for r in per_rank]
     if "ledgers" in r0:
         led = r0["ledgers"]
-        row["ledger"] = {
-            "memory": [r["ledgers"]["memory"] for r in per_rank],
-            "comm_per_step": led["comm_per_step"],
-            "paper_elements_per_step": led["paper_elements_per_step"],
-            "phi_per_step": led["paper_elements_per_step"] / r0["phi"],
-            "sent_bytes_per_step": led["sent_bytes_per_step"],
-            "trainable": led["trainable"],
-        }
+        row["ledger"] = {"memory": [r["ledgers"]["memory"] for r in per_rank], "comm_per_step": led["comm_per_step"],
+                         "paper_elements_per_step": led["paper_elements_per_step"],
+                         "phi_per_step": led["paper_elements_per_step"] / r0["phi"],
+                         "sent_bytes_per_step": led["sent_bytes_per_step"], "trainable": led["trainable"]}
         row["config"] = r0["config"]
     return row
 

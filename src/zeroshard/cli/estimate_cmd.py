@@ -93,8 +93,7 @@ def read_shape(args) -> ModelShape:
     if args.params is not None:
         shape = shape_from_params(args.params, **kw)
     elif args.hf_config is not None:
-        shape = shape_from_hf_config(args.hf_config)
-        shape = replace(shape, **{k: v for k, v in kw.items() if v})
+        shape = replace(shape_from_hf_config(args.hf_config), **{k: v for k, v in kw.items() if v})
     else:
         shape = shape_from_callable(args.model, **kw)
     return with_adapters(shape, args)
@@ -146,7 +145,7 @@ def read_workload(args) -> Workload:
     return Workload(seq=args.seq_len, micro_batch=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
                     precision=args.precision, optimizer=args.optimizer, optimizer_bytes=args.optimizer_bytes,
                     activation_checkpointing=ac, flash_attention=not args.no_flash_attention,
-                    host_is_device=getattr(args, "cpu_only", False), grads_to_host=getattr(args, "grads_to_host", False))
+                    host_is_device=args.cpu_only, grads_to_host=args.grads_to_host)
 
 
 def guarded(fn):
@@ -224,12 +223,10 @@ def comm_table(cands) -> Table:
     for col in ("config", "phase", "collective", "dtype", "calls", "elements", "paper units", "payload GiB",
                 "sent GiB", "intra GiB", "inter GiB"):
         t.add_column(col, justify="left" if col in ("config", "phase", "collective", "dtype") else "right")
-    seen = set()
+    first = {}
     for c in cands:
-        key = (c.strategy.stage, c.strategy.zeropp)
-        if key in seen:
-            continue
-        seen.add(key)
+        first.setdefault((c.strategy.stage, c.strategy.zeropp), c)
+    for c in first.values():
         for col in c.comm.collectives:
             t.add_row(c.label(), col.phase, f"{col.op} {col.what}", col.dtype, str(col.calls), f"{col.elements:,}",
                       f"{col.paper_elements / c.comm.params:.2f} Φ", gib(col.bytes), gib(col.sent_bytes),

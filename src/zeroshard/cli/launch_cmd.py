@@ -207,8 +207,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     problem, extra_env = apply_deepspeed_flags(args, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    if args.nproc is None:
-        args.nproc = 2
+    args.nproc = 2 if args.nproc is None else args.nproc
     problem = problem or check_nproc(args.nproc) or check_rendezvous(args)
     if not problem and not args.module and not os.path.isfile(args.script):
         problem = f"{args.script}: no such script"

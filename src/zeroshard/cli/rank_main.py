@@ -46,30 +46,17 @@ def _run(argv: list[str]) -> int:
     except rank_guard.StopRequested as stop:
         return rank_guard.stop_code(stop.signum)
     except SystemExit as exc:
-        return _exit_status(exc.code)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)  # sys.exit("message") prints it and exits 1, as Python does
+        return 1
     except Exception as exc:
-        if not _is_clean_error(exc):
+        errors = sys.modules.get("zeroshard.policies.errors")  # None: zeroshard never ran, not ours
+        if errors is None or not isinstance(exc, errors.ZeroShardError):
             raise
         rank_guard.report_error(os.environ.get(COMMAND_ENV, "zeroshard launch"), str(exc))
         return 2
     return 0
-
-
-def _exit_status(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1, as Python does
-    return 1
-
-
-def _is_clean_error(exc: BaseException) -> bool:
-    if "zeroshard.policies.errors" not in sys.modules:  # zeroshard never ran: not ours
-        return False
-    from zeroshard.policies.errors import ZeroShardError
-
-    return isinstance(exc, ZeroShardError)
 
 
 if __name__ == "__main__":

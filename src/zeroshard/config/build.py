@@ -52,11 +52,9 @@ def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, default:
 def zero_policy(zero: ZeroConfig) -> ZeroPolicy:
     stage, default = zero.stage, ZeroPolicy()
     zeropp = ZeroPlusPlusPolicy(
-        quantized_weights=zero.zero_quantized_weights,
+        quantized_weights=zero.zero_quantized_weights, quantized_gradients=zero.zero_quantized_gradients,
         quantized_nontrainable_weights=zero.zero_quantized_nontrainable_weights,
-        hpz_partition_size=max(1, zero.zero_hpz_partition_size),
-        quantized_gradients=zero.zero_quantized_gradients,
-    )
+        hpz_partition_size=max(1, zero.zero_hpz_partition_size))
     units = tuple(zero.leaf_module.classes) if zero.leaf_module else ()
     return _same_named(
         ZeroPolicy, zero, stage=Stage(stage),
@@ -131,27 +129,16 @@ def build_notes(config: RootConfig) -> list[str]:
     return notes
 
 
-def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any],
-                   notes: list[str]) -> Settings:
-    optimizer = scheduler = None  # "auto" params were dropped by normalize
-    if config.optimizer is not None:
-        optimizer = OptimizerSpec(type=config.optimizer.type.lower(), params=dict(config.optimizer.params))
-    if config.scheduler is not None:
-        scheduler = SchedulerSpec(type=config.scheduler.type, params=dict(config.scheduler.params))
+def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any], notes: list[str]) -> Settings:
+    opt, sched = config.optimizer, config.scheduler  # "auto" params were dropped by normalize
     logger, runtime = config.comms_logger, config.zeroshard
     return Settings(
-        batch=batch,
-        precision=precision_policy(config),
-        zero=_with_runtime_stage3(zero_policy(config.zero), runtime),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        gradient_clipping=float(config.gradient_clipping or 0.0),
-        steps_per_print=config.steps_per_print,
+        batch=batch, precision=precision_policy(config), zero=_with_runtime_stage3(zero_policy(config.zero), runtime),
+        optimizer=OptimizerSpec(type=opt.type.lower(), params=dict(opt.params)) if opt is not None else None,
+        scheduler=SchedulerSpec(type=sched.type, params=dict(sched.params)) if sched is not None else None,
+        gradient_clipping=float(config.gradient_clipping or 0.0), steps_per_print=config.steps_per_print,
         wall_clock_breakdown=config.wall_clock_breakdown,
         comms_logger=CommsLoggerPolicy(enabled=logger.enabled) if logger is not None else CommsLoggerPolicy(),
         aio=_same_named(AioPolicy, config.aio) if config.aio is not None else AioPolicy(),
         runtime=_same_named(RuntimePolicy, runtime) if runtime is not None else RuntimePolicy(),
-        activations=activation_policy(config),
-        raw=raw,
-        notes=tuple(notes),
-    )
+        activations=activation_policy(config), raw=raw, notes=tuple(notes))

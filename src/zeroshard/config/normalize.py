@@ -136,13 +136,6 @@ def _zero_rewrites(data: dict, zero: dict, notes: list[str], renames: dict) -> N
         notes.append("zero_optimization.aio moved to the top-level aio block (where DeepSpeed reads it)")
 
 
-def _aio_rewrites(aio: dict, notes: list[str], renames: dict) -> None:
-    if "thread_count" in aio:
-        _rename(aio, "thread_count", "intra_op_parallelism", "aio", renames)
-        notes.append("aio.thread_count is the old name of aio.intra_op_parallelism; read as "
-                     f"intra_op_parallelism = {aio['intra_op_parallelism']} (DeepSpeed 0.19 silently ignores it)")
-
-
 def _drop_auto(block: dict, model: type[Section], path: str, dropped: list[str]) -> None:
     """Remove "auto" values of known keys (unknown keys stay, for validation to report)."""
     for key in list(block):
@@ -198,7 +191,10 @@ def normalize(config: Mapping[str, Any], hidden_size: int | None,
     zero = data.get("zero_optimization")
     if isinstance(zero, dict):
         _zero_rewrites(data, zero, notes, renames)
-    if isinstance(data.get("aio"), dict):
-        _aio_rewrites(data["aio"], notes, renames)
+    aio = data.get("aio")
+    if isinstance(aio, dict) and "thread_count" in aio:
+        _rename(aio, "thread_count", "intra_op_parallelism", "aio", renames)
+        notes.append("aio.thread_count is the old name of aio.intra_op_parallelism; read as "
+                     f"intra_op_parallelism = {aio['intra_op_parallelism']} (DeepSpeed 0.19 silently ignores it)")
     _resolve_auto(data, hidden_size, notes)
     return data, notes

@@ -58,22 +58,21 @@ def _unknown_key(root: type[Section], loc: tuple[Any, ...]) -> str:
     return text
 
 
+_EXPECTED = {**dict.fromkeys(("model_type", "model_attributes_type", "dict_type", "dict_attributes_type"),
+                             "expected an object ({...})"),
+             "list_type": "expected a list", "string_type": "expected a string", "str_type": "expected a string"}
+_BOUNDS = {"greater_than": (">", "gt"), "greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le")}
+
+
 def _expected(error: dict[str, Any]) -> str:
     kind, msg = error["type"], error["msg"]
     if kind.startswith("zs_"):
         return msg
-    if kind in ("model_type", "model_attributes_type", "dict_type", "dict_attributes_type"):
-        return "expected an object ({...})"
-    if kind == "list_type":
-        return "expected a list"
-    if kind in ("string_type", "str_type"):
-        return "expected a string"
-    if kind == "greater_than":
-        return f"expected a value > {error['ctx']['gt']}"
-    if kind == "greater_than_equal":
-        return f"expected a value >= {error['ctx']['ge']}"
-    if kind == "less_than_equal":
-        return f"expected a value <= {error['ctx']['le']}"
+    if kind in _EXPECTED:
+        return _EXPECTED[kind]
+    if kind in _BOUNDS:
+        sign, key = _BOUNDS[kind]
+        return f"expected a value {sign} {error['ctx'][key]}"
     if msg.startswith("Input should be "):
         return "expected " + msg.removeprefix("Input should be ")
     return msg.removeprefix("Value error, ")

@@ -115,7 +115,7 @@ def load_config(path: str) -> dict:
     return cfg
 
 
-def _llama_counts(c: dict) -> tuple[int, int, int, int]:
+def _llama_counts(c: dict) -> tuple[int, int, int]:
     h, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     a = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or a
@@ -129,28 +129,26 @@ def _llama_counts(c: dict) -> tuple[int, int, int, int]:
     head = 0 if c.get("tie_word_embeddings", False) else V * h
     total = emb + L * block + h + head
     largest_layer = max(emb, mlp // 3 + (inter if c.get("mlp_bias") else 0))
-    return total, max(block, emb), largest_layer, h
+    return total, max(block, emb), largest_layer
 
 
-def _gpt2_counts(c: dict) -> tuple[int, int, int, int]:
+def _gpt2_counts(c: dict) -> tuple[int, int, int]:
     h, L, V = c["n_embd"], c["n_layer"], c["vocab_size"]
     inner = c.get("n_inner") or 4 * h
     P = c.get("n_positions", 1024)
     block = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * inner + inner) + (inner * h + h)
     emb = V * h
     total = emb + P * h + L * block + 2 * h  # lm_head tied to wte
-    return total, max(block, emb), max(emb, h * inner + inner), h
+    return total, max(block, emb), max(emb, h * inner + inner)
 
 
 def count_hf_config(cfg: dict) -> tuple[int, int, int]:
     """(params, largest unit, largest layer) without transformers, for ANALYTIC_MODEL_TYPES."""
     mt = cfg["model_type"]
     try:
-        fn = _gpt2_counts if mt == "gpt2" else _llama_counts
-        total, unit, layer, _ = fn(cfg)
+        return (_gpt2_counts if mt == "gpt2" else _llama_counts)(cfg)
     except KeyError as e:
         raise ConfigError(f"model config (model_type {mt!r}) lacks the key {e.args[0]!r}") from None
-    return total, unit, layer
 
 
 def meta_model(cfg: dict):

@@ -107,13 +107,6 @@ def bucket_sizes(hidden: int | None) -> dict:
     return {key: HIDDEN_SIZE_AUTO[key](hidden) for key in ("reduce_bucket_size", "prefetch_bucket_size")}
 
 
-def _zeropp_variants(s: Strategy, cluster: Cluster) -> list[Strategy]:
-    qwz_qgz = replace(s, quantized_weights=True, quantized_gradients=True)
-    if cluster.gpus_per_node == 1:
-        return [qwz_qgz]
-    return [qwz_qgz, replace(qwz_qgz, hpz_partition_size=cluster.gpus_per_node)]
-
-
 @dataclass
 class Plan:
     shape: ModelShape
@@ -234,8 +227,9 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
         if share >= INTER_NODE_BOTTLENECK_FRACTION:
             p.route.append(f"inter-node traffic takes {share:.0%} of the step (>= "
                            f"{INTER_NODE_BOTTLENECK_FRACTION:.0%}): trying ZeRO++")
-            best = winner
-            for v in _zeropp_variants(s, cluster):
+            best, qwz_qgz = winner, replace(s, quantized_weights=True, quantized_gradients=True)
+            hpz = [replace(qwz_qgz, hpz_partition_size=cluster.gpus_per_node)] if cluster.gpus_per_node > 1 else []
+            for v in [qwz_qgz, *hpz]:
                 c = evaluate(shape, v, cluster, work)
                 p.candidates.append(c)
                 verdict = f"step {c.time.step:.2f} s vs {best.time.step:.2f} s" if c.fits else c.why_not()
