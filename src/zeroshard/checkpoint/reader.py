@@ -176,20 +176,25 @@ class CheckpointReader(TensorIndex):
 
     def _read_bucket(self, bucket: BucketRecord, lo: int, hi: int, field: str) -> torch.Tensor:
         key = bucket_key(bucket.index, field)
-        parts = [self._get(rank_file(bucket.holders[s], field), key, a - s * bucket.shard_numel,
-                           b - s * bucket.shard_numel) for s, a, b in bucket.pieces(lo, hi)]
+        parts = [self._slice(rank_file(bucket.holders[s], field), key, a - s * bucket.shard_numel,
+                             b - s * bucket.shard_numel) for s, a, b in bucket.pieces(lo, hi)]
         if len(parts) == 1:  # the common case: no copy beyond the read itself
             return parts[0]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
 
-    def _get(self, file: str, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
-        """Tensor `key` of `file`, or its elements [lo, hi) only."""
+    def _slice(self, file: str, key: str, lo: int, hi: int) -> torch.Tensor:
         f = self._file(file)
         try:
-            return f.get_tensor(key) if lo is None else f.get_slice(key)[lo:hi]
+            return f.get_slice(key)[lo:hi]
         except Exception as exc:  # safetensors raises its own error types
-            where = key if lo is None else f"{key}[{lo}:{hi}]"
-            raise CheckpointError(f"{os.path.join(self.dir, file)}: cannot read {where} ({exc})") from None
+            raise CheckpointError(f"{os.path.join(self.dir, file)}: cannot read {key}[{lo}:{hi}] ({exc})") from None
+
+    def _get(self, file: str, key: str) -> torch.Tensor:
+        f = self._file(file)
+        try:
+            return f.get_tensor(key)
+        except Exception as exc:
+            raise CheckpointError(f"{os.path.join(self.dir, file)}: cannot read {key} ({exc})") from None
 
     def _file(self, name: str):
         if name not in self._open:
