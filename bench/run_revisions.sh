@@ -4,7 +4,7 @@
 # systems (SYSTEMS) on AFTER (the working tree unless given) and SYSTEMS on BEFORE, each
 # revision from a git worktree put first on PYTHONPATH, the order reversed every other round;
 # then per round the median step times, and each zeroshard system after / before (and over its
-# baseline where one ran).
+# baseline where one ran), with the ratios' geometric mean and its bootstrap 90 % interval.
 #   BEFORE=4af8b11 ROUNDS=2 bench/run_revisions.sh          # 50M: ~7 min a round on 2 idle cores
 #   BEFORE=4af8b11 AFTER=HEAD SYSTEMS=zs2 PEERS= ROUNDS=8 bench/run_revisions.sh   # zs2 A/B only
 # AFTER=<commit> measures that commit rather than a working tree others may be editing.
@@ -44,7 +44,7 @@ for r in $(seq 1 "$ROUNDS"); do
   fi
 done
 python - "$TAG" "$ROUNDS" "$SYSTEMS" "$PEERS" <<'PY'
-import json, statistics, sys
+import json, math, random, statistics, sys
 tag, rounds, systems = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 peers = [p for p in sys.argv[4].split(",") if p]
 BASE = {"zs0": "ddp", "zs1": "ddp", "zs2": "ddp", "zs3": "fsdp2"}
@@ -64,9 +64,14 @@ for r in range(1, rounds + 1):
             for side in ("now", "before"):
                 ratios.setdefault(f"{s}/{BASE[s]} {side}", []).append(vals[f"{s} {side}"] / vals[BASE[s]])
     print(f"| {r} | " + " | ".join(f"{vals[c]:.3f}" for c in cols) + " |")
+def geomean_interval(v: list[float]) -> str:
+    """Geometric mean of the ratios and its bootstrap 90 % interval (10,000 resamples, seed 0)."""
+    logs, rng = [math.log(x) for x in v], random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(10_000))
+    return f"{math.exp(statistics.fmean(logs)):.3f} ({math.exp(means[500]):.3f}-{math.exp(means[9499]):.3f})"
 print()
-print("| ratio of median step times | per round | median |")
-print("|---|---|---|")
+print("| ratio of median step times | per round | median | geometric mean (bootstrap 90 %) |")
+print("|---|---|---|---|")
 for k, v in ratios.items():
-    print(f"| {k} | {', '.join(f'{x:.3f}' for x in v)} | {statistics.median(v):.3f} |")
+    print(f"| {k} | {', '.join(f'{x:.3f}' for x in v)} | {statistics.median(v):.3f} | {geomean_interval(v)} |")
 PY
