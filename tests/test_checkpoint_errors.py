@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import pickle
+import signal
 
 import pytest
 import torch
@@ -133,6 +134,29 @@ def test_no_space_left_keeps_the_previous_checkpoint(saved, monkeypatch):
     fresh = zeroshard.initialize(gpt(), CFG)
     fresh.load_checkpoint(root)
     assert all(torch.equal(v, engine.full_state_dict()[k]) for k, v in fresh.full_state_dict().items())
+
+
+@pytest.mark.parametrize("where,latest", [("prepare_tag", "a"), ("name_table_of", "a"), ("rank_file", "a"),
+                                          ("all_records", "a"), ("agree", "b")])
+def test_a_stop_inside_a_save_leaves_no_partial_tag(saved, monkeypatch, where, latest):
+    """A stop signal raises StopRequested (a BaseException) wherever the main thread is, also
+    as a collective returns: the save ends with no `.tmp-` tag, and `latest` names the previous
+    tag, or the new one if the stop came after the commit (the final `agree`)."""
+    from zeroshard.checkpoint import save as save_mod
+    from zeroshard.cli.rank_guard import StopRequested
+
+    engine, root, _ = saved
+    real = getattr(save_mod, where)
+
+    def stopped(*args, **kw):
+        real(*args, **kw)
+        raise StopRequested(signal.SIGINT)
+
+    monkeypatch.setattr(save_mod, where, stopped)
+    with pytest.raises(StopRequested):
+        engine.save_checkpoint(root, tag="b")
+    assert sorted(os.listdir(root)) == sorted({"a", latest, "latest"})
+    assert (root / "latest").read_text() == latest
 
 
 class _RunsCode:

@@ -1,8 +1,8 @@
 """Stopping stops everything: SIGINT or SIGTERM to the launcher (`zeroshard train`), to the
 torchrun it started, or to the launcher's process group, during training, during a save and
 during start-up, ends every rank within seconds, with one line saying where it stopped and
-which checkpoint is the last complete one, no traceback, and `latest` naming a complete
-checkpoint. Survivors are looked for by a marker in the environment of every process of the
+which checkpoint is the last complete one, no traceback, `latest` naming a complete
+checkpoint, and no partial tag (`.tmp-*`) left behind, wherever in a save the stop landed. Survivors are looked for by a marker in the environment of every process of the
 run (/proc/*/environ), so a rank re-parented to PID 1 is found too.
 
 The default run covers each target and each phase once; the whole matrix, and SIGKILL to
@@ -89,7 +89,7 @@ def _ranks_started(run_id: str) -> bool:
 
 
 def _stop_and_check(tmp_path, sig: int, target: str, phase: str) -> None:
-    pause = "written" if phase == "save" else None
+    pause = {"save": "written", "prepared": "prepared"}.get(phase)
     proc, run_id, out, err = _start(tmp_path, pause)
     ckpt = tmp_path / "ckpt"
     try:
@@ -98,7 +98,7 @@ def _stop_and_check(tmp_path, sig: int, target: str, phase: str) -> None:
         elif phase == "train":
             _wait_for(lambda: (ckpt / "latest").exists(), 180, "the first checkpoint", proc, err)
         else:
-            _wait_for(lambda: "zeroshard-checkpoint-paused written" in err.read_text(), 180,
+            _wait_for(lambda: f"zeroshard-checkpoint-paused {pause}" in err.read_text(), 180,
                       "a save to reach its pause", proc, err)
         sent = time.monotonic()
         if target == "launcher":
@@ -138,9 +138,9 @@ def _stop_and_check(tmp_path, sig: int, target: str, phase: str) -> None:
 
 
 DEFAULT = [(signal.SIGINT, "launcher", "train"), (signal.SIGTERM, "torchrun", "save"),
-           (signal.SIGINT, "group", "start")]
+           (signal.SIGINT, "group", "start"), (signal.SIGINT, "launcher", "prepared")]
 EVERY = [(sig, target, phase) for sig in (signal.SIGINT, signal.SIGTERM)
-         for target in ("launcher", "torchrun", "group") for phase in ("train", "save", "start")]
+         for target in ("launcher", "torchrun", "group") for phase in ("train", "save", "prepared", "start")]
 CASES = [pytest.param(*case, id=f"{case[0].name}-{case[1]}-{case[2]}",
                       marks=() if case in DEFAULT else pytest.mark.slow) for case in EVERY]
 
@@ -168,3 +168,21 @@ def test_a_killed_launcher_leaves_no_rank(tmp_path):
         for pid, _ in _processes_with(run_id):
             os.kill(pid, signal.SIGKILL)
     assert left == [], f"processes left after the launcher was killed: {left}"
+
+
+def test_after_a_stop_the_launcher_removes_partial_tags(tmp_path):
+    """A rank its watchdog ended (blocked in a collective) or a killed one cannot remove its
+    save's `.tmp-` tag; the launcher does, once every rank has exited, and names `latest`."""
+    from zeroshard.cli.train.command import after_stop
+
+    save = tmp_path / "ckpt"
+    (save / ".tmp-global_step6").mkdir(parents=True)
+    (save / ".tmp-global_step6" / "rank00000.model.safetensors").write_bytes(b"partial")
+    (save / "global_step3").mkdir()
+    (save / "latest").write_text("global_step3")
+    line = after_stop(str(save))
+    assert sorted(os.listdir(save)) == ["global_step3", "latest"]
+    assert line == (f"the last complete checkpoint is {save / 'global_step3'} "
+                    "(the same command continues from it)")
+    assert after_stop(str(tmp_path / "never-made")) == f"no checkpoint was completed in {tmp_path / 'never-made'}"
+    assert after_stop(None) == ""

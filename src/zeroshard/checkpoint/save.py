@@ -43,15 +43,28 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     `keep_last` tags in `save_dir`. Returns the tag's directory."""
     ts = train_state_of(engine)
     save_dir = os.fspath(save_dir)
-    device = ts.device
     tag = tag if tag is not None else f"global_step{ts.counters.global_steps}"
     tmp = os.path.join(save_dir, TMP_PREFIX + tag)
+    made: list[str] = []  # rank 0's `tmp` once the tag is known to be a safe name
+    try:
+        _save(ts, save_dir, tag, tmp, made, client_state, keep_last)
+    finally:
+        # Whatever ended the save (an error on any rank, a stop signal raised inside a
+        # collective), rank 0 leaves no partial tag behind; after a commit `tmp` is gone.
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+    return os.path.join(save_dir, tag)
+
+
+def _save(ts, save_dir: str, tag: str, tmp: str, made: list[str], client_state, keep_last) -> None:
+    device = ts.device
     with agreed(ts.comm, device, "saving checkpoint"):
         check_tag(tag)
         client = json_safe(client_state or {}, "client_state")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise CheckpointError(f"keep_last must be a positive integer, got {keep_last!r}")
         if ts.rank == 0:
+            made.append(tmp)
             prepare_tag(save_dir, tmp)
 
     table = name_table_of(ts)
@@ -77,10 +90,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
             commit_tag(save_dir, tmp, tag, meta, keep_last)
     except BaseException as exc:
         error = exc
-        if ts.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
     agree(ts.comm, error, device, "saving checkpoint")
-    return os.path.join(save_dir, tag)
 
 
 SPACE_SLACK = 1 << 20  # safetensors headers and meta.json

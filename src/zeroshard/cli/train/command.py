@@ -10,7 +10,9 @@ your own torchrun command). Already inside torchrun (RANK is set), it trains dir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import sys
 
 from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, rank_target, \
@@ -85,13 +87,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"zeroshard train: {note}", flush=True)
     target = rank_target(["-m", "zeroshard.cli.train.worker", *worker_argv(args)])
     return run_torchrun(torchrun_command(args, target), command="zeroshard train",
-                        describe_stop=lambda: last_checkpoint_line(args.save))
+                        describe_stop=lambda: after_stop(args.save))
 
 
-def last_checkpoint_line(save: str | None) -> str:
-    """For the stop line: which checkpoint a rerun continues from."""
+def after_stop(save: str | None) -> str:
+    """Once every rank has exited after a stop: the partial tag of a save the stop cut short is
+    removed (a rank ended by its watchdog, or killed, had no chance to), and the stop line
+    says which checkpoint a rerun continues from."""
     if not save:
         return ""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(save):
+            if name.startswith(".tmp-"):  # checkpoint.format.TMP_PREFIX; never loadable
+                shutil.rmtree(os.path.join(save, name), ignore_errors=True)
     try:
         with open(os.path.join(save, "latest")) as fh:
             tag = fh.read().strip()
