@@ -114,13 +114,19 @@ def prepare_tag(save_dir: str, tmp: str) -> None:
     """Step 1 (module doc): `save_dir` made, leftovers of killed saves removed, `tmp` made."""
     try:
         os.makedirs(save_dir, exist_ok=True)
-        for leftover in os.listdir(save_dir):  # a killed save's partial tag; never loadable
-            if leftover.startswith(TMP_PREFIX):
-                shutil.rmtree(os.path.join(save_dir, leftover), ignore_errors=True)
+        remove_partial_tags(save_dir)
         os.makedirs(tmp)
     except OSError as exc:
         raise CheckpointError(f"{save_dir}: cannot create the checkpoint directory ({exc.strerror or exc})") from None
     faults.pause("prepared")  # a no-op unless a test arms it
+
+
+def remove_partial_tags(save_dir: str) -> None:
+    """Remove the `.tmp-` tags of saves that never finished (killed, or stopped); never loadable.
+    OSError if `save_dir` cannot be listed."""
+    for leftover in os.listdir(save_dir):
+        if leftover.startswith(TMP_PREFIX):
+            shutil.rmtree(os.path.join(save_dir, leftover), ignore_errors=True)
 
 
 def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import sys
 
 from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, rank_target, \
@@ -96,10 +95,10 @@ def after_stop(save: str | None) -> str:
     says which checkpoint a rerun continues from."""
     if not save:
         return ""
+    from zeroshard.checkpoint.save import remove_partial_tags  # only after a stop, as prepare_tag uses it
+
     with contextlib.suppress(OSError):
-        for name in os.listdir(save):
-            if name.startswith(".tmp-"):  # checkpoint.format.TMP_PREFIX; never loadable
-                shutil.rmtree(os.path.join(save, name), ignore_errors=True)
+        remove_partial_tags(save)
     try:
         with open(os.path.join(save, "latest")) as fh:
             tag = fh.read().strip()
