@@ -15,7 +15,7 @@ _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+    env.update(OMP_NUM_THREADS=os.environ.get("ZEROSHARD_RANK_THREADS", "1"), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                TRANSFORMERS_NO_ADVISORY_WARNINGS="1", **extra)
     return env
 

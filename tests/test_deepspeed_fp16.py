@@ -43,6 +43,8 @@ import torch
 import test_deepspeed_migration as migration
 from distributed import one_group, run_ranks
 
+pytestmark = pytest.mark.recorded  # compares with what DeepSpeed computed on another machine
+
 common, record, FIX = migration.common, migration.record, migration.FIX
 CASES = ["stage0_fp16", "stage1_fp16", "stage2_fp16", "stage3_fp16"]
 ZERO_LOSS, ZERO_PARAM = 2e-3, 5e-3

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
 import torch
 
 from test_deepspeed_migration import FIX, _Planted, common, record
 
+pytestmark = pytest.mark.recorded  # compares with what DeepSpeed computed on another machine
 
 def _trainer_folder(tmp_path, case: str, marker: str) -> str:
     folder = tmp_path / f"checkpoint-{common.K}"

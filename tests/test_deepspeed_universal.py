@@ -40,6 +40,8 @@ from test_deepspeed_migration import (
     record,
 )
 
+pytestmark = pytest.mark.recorded  # compares with what DeepSpeed computed on another machine
+
 UNIVERSAL = ("stage1_fp32", "stage2_bf16", "stage3_fp32", "stage3_bf16")
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, SCRIPTS)
 from common import gpt2_config, probe_batch  # noqa: E402
 from scenarios import DEEPSPEED, SCENARIOS  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.recorded]  # DeepSpeed's figures, recorded elsewhere
 TOL = 1e-4
 _RUNS: dict[str, tuple[dict, str, str]] = {}
 

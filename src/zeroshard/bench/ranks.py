@@ -59,13 +59,14 @@ def from_wire(obj):
 
 
 def rank_entry(fn, rank, world_size, port, args, queue, env) -> None:
-    """A spawned rank: torchrun's variables, one torch thread, fn's result or error to `queue`."""
+    """A spawned rank: torchrun's variables, one torch thread (ZEROSHARD_RANK_THREADS: more, for
+    the tests' second numerics configuration in .ci/run), fn's result or error to `queue`."""
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("ZEROSHARD_RANK_THREADS", "1")))
     try:
         result = fn(rank, world_size, *args)
         queue.put((rank, True, to_wire(result)))
