@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.api.banner import log_step, startup_banner
+from zeroshard.monitor import open_monitors
 from zeroshard.api.gathered import register_engine
 from zeroshard.api.surface import EngineSurface, cast_floats
 from zeroshard.comm import Comm, CommLedger, Topology
@@ -96,6 +97,7 @@ class Engine(EngineSurface):
         if topology.rank == 0:
             for line in startup_banner(run, topology, self.lr_scheduler) + [f"  {store.describe()}"]:
                 log.info(line)
+        self.monitors = open_monitors(settings.monitors, topology.rank)  # rank 0's writers, if any
 
     # -- the training loop ------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -136,6 +138,8 @@ class Engine(EngineSurface):
         self.params.begin_backward()
         scale = self.loss_scaler.scale / gas if scale_wrt_gas else self.loss_scaler.scale
         try:
+            if self.monitors:
+                self.monitors.saw_loss(loss)
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             self.grads.end_backward()
         finally:
@@ -191,6 +195,7 @@ class Engine(EngineSurface):
         self._timers["step"] += time.perf_counter() - started
         self.comm.where = f"step {self.global_steps}"
         log_step(self)
+        self.monitors.after_step(self)
 
     def _raw_grad_norm(self) -> float | None:
         """Norm of the still loss-scaled gradient; inf or nan means overflow on some rank.
@@ -291,4 +296,5 @@ class Engine(EngineSurface):
         for tier in self.param_tiers:
             tier.close()
         self.activation_offload.close()  # its files go
+        self.monitors.close()
         self.topology.destroy()

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from zeroshard.config.schema import RootConfig
+from zeroshard.config.support import MONITORS
 from zeroshard.config.zero_schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from zeroshard.policies import (
     ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, LossScalePolicy, OffloadDevice, OffloadPolicy,
@@ -139,6 +140,8 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any], 
         gradient_clipping=float(config.gradient_clipping or 0.0), steps_per_print=config.steps_per_print,
         wall_clock_breakdown=config.wall_clock_breakdown,
         comms_logger=CommsLoggerPolicy(enabled=logger.enabled) if logger is not None else CommsLoggerPolicy(),
+        monitors=tuple((name, tuple(getattr(config, name).model_dump().items())) for name in MONITORS
+                       if getattr(config, name) is not None and getattr(config, name).enabled),
         aio=_same_named(AioPolicy, config.aio) if config.aio is not None else AioPolicy(),
         runtime=_same_named(RuntimePolicy, runtime) if runtime is not None else RuntimePolicy(),
         activations=activation_policy(config), raw=raw, notes=tuple(notes))

@@ -19,6 +19,7 @@ Rules:
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable
@@ -26,7 +27,7 @@ from typing import Any, Callable
 from zeroshard.config.fields import shown
 from zeroshard.config.names import BUILT_OPTIMIZERS, BUILT_SCHEDULERS
 from zeroshard.config.schema import RootConfig
-from zeroshard.policies import ConfigError, NotSupportedYetError
+from zeroshard.policies import MONITOR_LIBRARIES, ConfigError, NotSupportedYetError
 
 ALL_STAGES = frozenset({0, 1, 2, 3})
 ZERO_STAGES = frozenset({1, 2, 3})
@@ -107,6 +108,20 @@ STAGE3_ONLY_KEYS = (
 )
 
 
+MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+
+
+def check_monitor_libraries(config: RootConfig) -> None:
+    """A monitor section enabled without its library: one error when the config loads (before
+    any rank starts under `zeroshard train` / `launch`), not a crash at the first step."""
+    for name in MONITORS:
+        section = getattr(config, name)
+        module, package = MONITOR_LIBRARIES.get(name, (None, None))
+        if section is not None and section.enabled and module and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{name}.enabled is true but the {package!r} package is not installed: "
+                              f"pip install {package} (or pip install 'zeroshard[monitor]'), or disable {name}")
+
+
 def _zeropp_in_use(c: RootConfig) -> list[str]:
     """The ZeRO++ keys set to a value that turns something on."""
     z = c.zero
@@ -133,6 +148,7 @@ def check_support(config: RootConfig) -> list[str]:
                       f"remove it or set it to {gap.fix}")
     if errors:
         raise NotSupportedYetError("\n".join(errors))
+    check_monitor_libraries(config)
     zeropp = _zeropp_in_use(config)
     if zeropp and stage != 3:
         raise ConfigError(
@@ -161,11 +177,8 @@ _ZERO_NO_EFFECT = {  # key: value that differs from DeepSpeed's default and has 
 
 
 def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
-    monitor = "zeroshard has no monitors; log from your training loop"
     ac = c.activation_checkpointing
-    checks = [(bool(getattr(c, name) and getattr(c, name).enabled), f"{name}.enabled: {monitor}")
-              for name in ("tensorboard", "wandb", "csv_monitor", "comet")]
-    checks += [
+    checks = [
         (bool(c.flops_profiler and c.flops_profiler.enabled), "flops_profiler.enabled: zeroshard has no flops profiler"),
         (bool(c.autotuning and c.autotuning.enabled),
          "autotuning.enabled: zeroshard does not autotune (`zeroshard plan` suggests settings)"),

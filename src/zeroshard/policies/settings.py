@@ -207,6 +207,11 @@ class ActivationOffloadPolicy:
     why: str = ""  # which key asked for it, for the start-up line
 
 
+# the monitor sections that need a library: section -> (module imported, pip package)
+MONITOR_LIBRARIES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                     "comet": ("comet_ml", "comet_ml")}
+
+
 @dataclass(frozen=True)
 class Settings:
     """The whole validated configuration. `notes` are start-up messages (ignored keys, aliases)."""
@@ -220,6 +225,9 @@ class Settings:
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
     comms_logger: CommsLoggerPolicy = field(default_factory=CommsLoggerPolicy)
+    # the enabled monitor sections, in DeepSpeed's names ("tensorboard", "csv_monitor", "wandb",
+    # "comet"), each with its keys as written: ((section, ((key, value), ...)), ...)
+    monitors: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     aio: AioPolicy = field(default_factory=AioPolicy)
     runtime: RuntimePolicy = field(default_factory=RuntimePolicy)
     activations: ActivationOffloadPolicy = field(default_factory=ActivationOffloadPolicy)
