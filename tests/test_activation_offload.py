@@ -171,9 +171,10 @@ def _engine_config(**extra):
 
 
 @pytest.mark.parametrize("impl", ["zeroshard", "deepspeed"])
-def test_engine_config_puts_activations_on_their_tier(impl, tmp_path, caplog):
+def test_engine_config_puts_activations_on_their_tier(impl, tmp_path, caplog, monkeypatch):
     """Through initialize(): cpu_checkpointing -> host; zeroshard.activation_offload nvme -> files;
-    two SGD steps equal plain checkpointing; the start-up line says where they live."""
+    two SGD steps equal plain checkpointing; the start-up line (ZEROSHARD_VERBOSE) says where they live."""
+    monkeypatch.setenv("ZEROSHARD_VERBOSE", "1")
     torch.manual_seed(0)
     base = CkptGPT(impl="torch")
     runs = {}

@@ -38,10 +38,13 @@ def default_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """The default stage 3, a checkpoint every 10 steps."""
+    """The default stage 3 with a step line every 10 steps, a checkpoint every 10 steps, --verbose."""
+    from zeroshard.cli.train.config import default_config
+
     cwd = tmp_path_factory.mktemp("save")
-    return cwd, _run("--model", "tiny", "--seq-len", "16", "--steps", "20", "--save", "ckpt",
-                     "--save-every", "10", "--report", "", cwd=cwd)
+    (cwd / "ds.json").write_text(json.dumps({**default_config(20, 8, ["Block"]), "steps_per_print": 10}))
+    return cwd, _run("--model", "tiny", "--seq-len", "16", "--steps", "20", "--save", "ckpt", "--config", "ds.json",
+                     "--save-every", "10", "--report", "", "--verbose", cwd=cwd)
 
 
 def test_default_job_trains_stage3_on_two_ranks_and_the_loss_falls(default_run):
@@ -57,13 +60,46 @@ def test_default_job_trains_stage3_on_two_ranks_and_the_loss_falls(default_run):
     assert "Traceback" not in proc.stderr
 
 
-def test_every_steps_per_print_a_line_has_every_ranks_memory_and_the_step_volume(default_run):
+def _startup_block(proc) -> list[str]:
+    """The engine's start-up lines (stderr, rank 0) and the command's checkpoints line (stdout)."""
+    err = proc.stderr.splitlines()
+    start = next(i for i, line in enumerate(err) if line.startswith("zeroshard: ZeRO stage"))
+    block = [err[start]]
+    for line in err[start + 1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    return block + [line for line in proc.stdout.splitlines() if line.startswith("  checkpoints: ")]
+
+
+def test_the_console_fits_a_terminal(default_run):
+    """Issue 45: the start-up block is at most 6 lines, each line at most 100 columns, and says
+    where checkpoints go; the step line every steps_per_print steps fits 100 columns too."""
     _, proc = default_run
-    lines = [line for line in proc.stdout.splitlines() if "MiB per rank:" in line]
+    block = _startup_block(proc)
+    assert len(block) <= 6 and all(len(line) <= 100 for line in block), block
+    assert "ZeRO stage 3 on 2 rank(s)" in block[0] and any("batch 16 = micro 8" in line for line in block)
+    assert any("memory per rank: params" in line and "KiB" in line for line in block), block  # not "0.0 MB"
+    assert block[-1].startswith("  checkpoints: none (--save DIR")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "x Phi" in line]
     assert [line.split()[1] for line in lines] == ["25/50", "50/50"]  # rank 0 only, every 25 steps
     for line in lines:
+        assert len(line) <= 100 and "| 3.000 x Phi, " in line and " KiB/rank |" in line, line
+
+
+def test_verbose_shows_every_setting_and_each_ranks_memory(saved_run):
+    """--verbose: the whole start-up block (buckets, units, host memory) and, under each step
+    line, every rank's memory and the step's collectives."""
+    _, proc = saved_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    block = _startup_block(proc)
+    assert len(block) > 6 and any(line.startswith("  stage 3 units:") for line in block)
+    assert block[-1] == "  checkpoints: ckpt, every 10 steps and at the end"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("  per rank: ")]
+    assert len(lines) == 2, proc.stdout[-2000:]
+    for line in lines:
         assert " r0 params " in line and " r1 params " in line and "optim" in line
-        assert "reduce_scatter" in line and "all_gather" in line and "= 3.000 x Phi" in line
+        assert "reduce_scatter" in line and "all_gather" in line
 
 
 def test_report_png_is_written(default_run):
@@ -156,4 +192,5 @@ def test_train_options_are_frozen():
     assert options == {"-h", "--help", "--config", "--model", "--data", "--stage", "--steps", "--seq-len",
                        "--micro-batch", "--lora", "--bf16", "--save", "--save-every", "--resume", "--report",
                        "--seed", "--offload", "--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                       "--max-restarts", "--reload-checkpoints", "--resource-log", "--nvme-path", "--keep-last"}
+                       "--max-restarts", "--reload-checkpoints", "--resource-log", "--nvme-path", "--keep-last",
+                       "--verbose"}

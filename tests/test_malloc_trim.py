@@ -75,8 +75,8 @@ def _engine_worker(rank, world_size, key):
 
 
 def test_engine_trims_after_each_step_on_cpu_unless_told_not_to():
-    on = run_ranks(_engine_worker, 2, None, timeout=180)
-    off = run_ranks(_engine_worker, 2, False, timeout=180)
+    on = run_ranks(_engine_worker, 2, None, timeout=180, env={"ZEROSHARD_VERBOSE": "1"})  # the whole start-up block
+    off = run_ranks(_engine_worker, 2, False, timeout=180, env={"ZEROSHARD_VERBOSE": "1"})
     assert on[0]["active"] and on[0]["seconds"] > 0 and "malloc_trim" in on[0]["banner"][0]
     assert not off[0]["active"] and off[0]["seconds"] == 0 and "false" in off[0]["banner"][0]
 

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from zeroshard.comm import Topology
+from zeroshard.estimate.byte_units import human_bytes
 from zeroshard.policies import Stage
 from zeroshard.stages.build import Assembled
 from zeroshard.stages.units import describe_units
 
 log = logging.getLogger("zeroshard")
+WIDTH = 100  # columns a start-up or step line may take
+VERBOSE_ENV = "ZEROSHARD_VERBOSE"  # 1: the whole start-up block and the detail of each step line
+
+
+def verbose() -> bool:
+    """The detail is asked for (`zeroshard train|launch --verbose`, or ZEROSHARD_VERBOSE=1)."""
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def _fit(line: str) -> str:
+    return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."
 
 
 def _elements(n: int) -> str:
@@ -73,6 +86,46 @@ def startup_banner(run: Assembled, topo: Topology, lr_scheduler: Any) -> list[st
     return lines
 
 
+def startup_summary(run: Assembled, topo: Topology, lr_scheduler: Any, memory: dict[str, int]) -> list[str]:
+    """What a user decides from, in at most 5 lines of at most WIDTH columns: stage, ranks and
+    parameters; precision, optimizer and clipping; batch; model-state memory per rank and
+    offload; the config notes (read them with ZEROSHARD_VERBOSE=1 / --verbose)."""
+    s, parts = run.settings, run.parts
+    p, z, b = s.precision, s.zero, s.batch
+    phi, frozen = sum(x.numel() for x in parts.trainable), sum(x.numel() for x in parts.frozen)
+    scaling = "off" if p.loss_scale is None else "dynamic" if p.loss_scale.dynamic else "static"
+    master = "" if p.master == p.compute else f", master {p.master.value}"
+    clip = f"{s.gradient_clipping:g}" if s.gradient_clipping > 0 else "off"
+    kernel = "fused" if run.optimizer.optimizer.defaults.get("fused") else "torch"
+    states = {k: memory.get(k, 0) for k in ("params", "grads", "optimizer_states")}
+    lines = [
+        f"zeroshard: ZeRO stage {int(z.stage)} on {topo.world_size} rank(s) ({topo.backend}, {topo.device.type}), "
+        f"{_elements(phi)} trainable + {_elements(frozen)} frozen parameters",
+        f"  precision {p.compute.value}{master}, loss scaling {scaling}; {type(run.optimizer.optimizer).__name__} "
+        f"({kernel}), scheduler {type(lr_scheduler).__name__ if lr_scheduler else 'none'}; clipping {clip}",
+        f"  batch {b.train_batch_size} = micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} "
+        f"x ranks {topo.world_size}; offload: optimizer {z.offload_optimizer.device.value}, parameters "
+        f"{z.offload_param.device.value}",
+        f"  memory per rank: params {human_bytes(states['params'])}, grads {human_bytes(states['grads'])}, optimizer "
+        + (f"{human_bytes(states['optimizer_states'])}" if states["optimizer_states"] else
+           "states from the first step"),
+    ]
+    if s.notes:
+        first = s.notes[0].split(":")[0]
+        lines.append(f"  {len(s.notes)} note(s) on the config ({first}{', ...' if len(s.notes) > 1 else ''}): "
+                     f"read them with {VERBOSE_ENV}=1 or --verbose")
+    return [_fit(line) for line in lines]
+
+
+def log_startup(run: Assembled, topo: Topology, lr_scheduler: Any, memory: dict[str, int],
+                extra: list[str]) -> None:
+    """Rank 0: the summary, or with verbose() the whole block (startup_banner + `extra`)."""
+    lines = startup_banner(run, topo, lr_scheduler) + extra if verbose() else \
+        startup_summary(run, topo, lr_scheduler, memory)
+    for line in lines:
+        log.info(line)
+
+
 def log_step(engine) -> None:
     """Every `steps_per_print` steps on rank 0: lr, norm, loss scale, skipped steps, memory;
     with wall_clock_breakdown the timers, with comms_logger the collectives."""
@@ -80,10 +133,10 @@ def log_step(engine) -> None:
     if not every or engine.global_steps % every or engine.rank != 0:
         return
     mem = engine.memory_stats()
-    log.info("step %d | lr %s | grad norm %.4g | loss scale %g | skipped %d | MB params %.1f grads %.1f "
-             "optim %.1f", engine.global_steps, ", ".join(f"{lr:.3g}" for lr in engine.get_lr()),
+    log.info("step %d | lr %s | grad norm %.4g | loss scale %g | skipped %d | params %s grads %s optim %s",
+             engine.global_steps, ", ".join(f"{lr:.3g}" for lr in engine.get_lr()),
              engine.get_global_grad_norm() or 0.0, engine.loss_scale, engine.skipped_steps,
-             mem["params"] / 2**20, mem["grads"] / 2**20, mem["optimizer_states"] / 2**20)
+             human_bytes(mem["params"]), human_bytes(mem["grads"]), human_bytes(mem["optimizer_states"]))
     if engine.settings.wall_clock_breakdown:
         log.info("time (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in engine.timers().items()))
     if engine.settings.comms_logger.enabled:

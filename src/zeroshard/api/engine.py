@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from zeroshard.api.banner import log_step, startup_banner
+from zeroshard.api.banner import log_startup, log_step
 from zeroshard.monitor import open_monitors
 from zeroshard.api.gathered import register_engine
 from zeroshard.api.surface import EngineSurface, cast_floats
@@ -95,8 +95,7 @@ class Engine(EngineSurface):
         store = activations.ActivationOffload(settings.activations, settings.aio, self.memory, topology.rank)
         self.activation_offload = activations.configure(store)
         if topology.rank == 0:
-            for line in startup_banner(run, topology, self.lr_scheduler) + [f"  {store.describe()}"]:
-                log.info(line)
+            log_startup(run, topology, self.lr_scheduler, self.memory.stats(), [f"  {store.describe()}"])
         self.monitors = open_monitors(settings.monitors, topology.rank)  # rank 0's writers, if any
 
     # -- the training loop ------------------------------------------------------------------

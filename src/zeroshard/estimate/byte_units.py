@@ -12,7 +12,7 @@ from zeroshard.policies import ConfigError, Precision
 
 __all__ = [
     "GB", "GIB", "BYTES_PER_ELEMENT", "INT8_BYTES", "INT4_BYTES", "FP32_BYTES",
-    "bytes_of", "parse_count", "parse_bytes",
+    "bytes_of", "human_bytes", "parse_count", "parse_bytes",
 ]
 
 GB = 10**9  # the ZeRO paper's and DeepSpeed docs' "GB" in prose is decimal
@@ -37,6 +37,16 @@ _BYTE_SUFFIX = {
     "T": 10**12, "TB": 10**12, "TIB": 2**40,
 }
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes in the largest binary unit that keeps the number at 1 or more ("512 B",
+    "6.37 MiB", "10.8 GiB"), three significant digits: a 6K-parameter model's states do not
+    print as 0.0 MB."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
 
 
 def _split(text: str, what: str) -> tuple[float, str]:

@@ -43,6 +43,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=REPORT_DEFAULT, metavar="PATH",
                    help=f"PNG with the loss curve and memory breakdown (default ./{REPORT_DEFAULT}; '' for none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true",
+                   help="the whole start-up block (every setting and why) and each rank's memory under each step line")
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:

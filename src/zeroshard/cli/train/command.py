@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
     for note in filled_from_default(args):
         print(f"zeroshard train: {note}", flush=True)
+    if args.verbose:  # the ranks inherit it (zeroshard.api.banner.verbose)
+        os.environ["ZEROSHARD_VERBOSE"] = "1"
     target = rank_target(["-m", "zeroshard.cli.train.worker", *worker_argv(args)])
     return run_torchrun(torchrun_command(args, target), command="zeroshard train",
                         describe_stop=lambda: after_stop(args.save))

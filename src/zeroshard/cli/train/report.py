@@ -17,8 +17,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from zeroshard.comm import PAPER_FACTOR
+from zeroshard.estimate.byte_units import human_bytes
 
-__all__ = ["MEMORY_KINDS", "RunRecord", "gather_memory", "make_progress", "memory_line", "paper_elements",
+__all__ = ["MEMORY_KINDS", "RunRecord", "detail_line", "gather_memory", "make_progress", "memory_line", "paper_elements",
            "summary_table", "write_report"]
 
 MEMORY_KINDS = ("params", "grads", "optimizer_states", "comm_buffers")
@@ -73,15 +74,23 @@ def paper_elements(comm: dict) -> int:
 
 def memory_line(step: int, total: int, loss: float, engine, per_rank: list[dict[str, int]], comm: dict,
                 phi: int) -> str:
-    ranks = "  ".join(
-        f"r{r} " + " ".join(f"{_SHORT[k]} {m[k] / MiB:.2f}" for k in MEMORY_KINDS) for r, m in enumerate(per_rank))
-    ops = ", ".join(f"{op} {s['calls']}x {s['elements']:,}" for op, s in comm.items() if s["calls"])
-    sent = sum(s["sent_bytes"] for s in comm.values()) / MiB
+    """The step line, at most 100 columns: loss, lr, grad norm, the largest rank's model states
+    (unit picked to fit), the step's traffic in the paper's units and rank 0's bytes sent."""
     lr = ", ".join(f"{v:.3g}" for v in engine.get_lr())
     norm = engine.get_global_grad_norm()
-    return (f"step {step}/{total} loss {loss:.3f} lr {lr} grad norm {norm if norm is not None else math.nan:.3g} | "
-            f"MiB per rank: {ranks} | last step: {ops} elements = {paper_elements(comm) / phi:.3f} x Phi, "
-            f"rank 0 sent {sent:.2f} MiB")
+    states = max(sum(m[k] for k in MEMORY_KINDS) for m in per_rank)
+    sent = sum(s["sent_bytes"] for s in comm.values())
+    line = (f"step {step}/{total} loss {loss:.3f} lr {lr} norm {norm if norm is not None else math.nan:.3g} | "
+            f"states {human_bytes(states)}/rank | {paper_elements(comm) / phi:.3f} x Phi, {human_bytes(sent)} sent")
+    return line if len(line) <= 100 else line[:97] + "..."
+
+
+def detail_line(per_rank: list[dict[str, int]], comm: dict) -> str:
+    """With --verbose, under the step line: every rank's memory by category and the collectives."""
+    ranks = "  ".join(
+        f"r{r} " + " ".join(f"{_SHORT[k]} {human_bytes(m[k])}" for k in MEMORY_KINDS) for r, m in enumerate(per_rank))
+    ops = ", ".join(f"{op} {s['calls']}x {s['elements']:,}" for op, s in comm.items() if s["calls"])
+    return f"  per rank: {ranks} | last step: {ops} elements"
 
 
 def _plain_dp_optimizer(rec: RunRecord, mem: dict[str, int], optimizer_shards: int) -> int:
@@ -106,9 +115,9 @@ def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shar
                                                           f" ({rec.trainable:,} trainable)")),
         ("loss", f"{sum(losses[:k]) / k:.3f} (first {k} steps) -> {sum(losses[-k:]) / k:.3f} (last {k})"),
         ("model states, rank 0", f"{held / MiB:.2f} MiB vs plain DP {plain / MiB:.2f} MiB ({held / plain:.2f}x)"),
-        ("  at rest", f"params {mem['params'] / MiB:.2f}, grads {mem['grads'] / MiB:.2f}, "
-                      f"optimizer {mem['optimizer_states'] / MiB:.2f} MiB"),
-        ("  by tier", ", ".join(f"{t} {mem.get('tier_' + t, 0) / MiB:.2f} MiB" for t in ("device", "host", "nvme")
+        ("  at rest", f"params {human_bytes(mem['params'])}, grads {human_bytes(mem['grads'])}, "
+                      f"optimizer {human_bytes(mem['optimizer_states'])}"),
+        ("  by tier", ", ".join(f"{t} {human_bytes(mem.get('tier_' + t, 0))}" for t in ("device", "host", "nvme")
                                 if mem.get("tier_" + t) or t == "device")),
         ("communication per step", f"{paper_elements(rec.last_comm) / rec.phi:.3f} x Phi (paper units) vs plain DP "
                                    f"{2 * rec.trainable / rec.phi:.3f} x Phi"),

@@ -18,13 +18,14 @@ from rich.console import Console
 
 import zeroshard
 from zeroshard import faults
+from zeroshard.api.banner import verbose
 from zeroshard.cli import rank_guard
 from zeroshard.cli.train.args import add_train_arguments, resolve_defaults
 from zeroshard.cli.train.config import DEFAULT_STEPS_PER_PRINT, build_config
 from zeroshard.cli.train.data import NoTextError, load_tokens, rank_batch
 from zeroshard.cli.train.model import ModelSpecError, TrainModel, build_model
-from zeroshard.cli.train.report import RunRecord, gather_memory, make_progress, memory_line, summary_table, \
-    write_report
+from zeroshard.cli.train.report import RunRecord, detail_line, gather_memory, make_progress, memory_line, \
+    summary_table, write_report
 from zeroshard.cli.train.resources import ResourceLog
 from zeroshard.cli.train.resume import client_state, describe, restart_count, resume
 from zeroshard.policies import ZeroShardError
@@ -50,6 +51,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     every = cfg.pop("steps_per_print", None)
     every = DEFAULT_STEPS_PER_PRINT if every is None else every
     engine = zeroshard.initialize(tm.module, cfg)
+    if engine.rank == 0:  # the start-up block's last line: where checkpoints go
+        console.print(f"  checkpoints: {args.save}, every {args.save_every} steps and at the end" if args.save else
+                      "  checkpoints: none (--save DIR writes them, and the same command resumes from DIR)",
+                      highlight=False, soft_wrap=True)
     tokens = load_tokens(args.data, tm.vocab_size)
     rec = _record(engine, tm)
     resources = ResourceLog(getattr(args, "resource_log", None), engine.rank)
@@ -114,6 +119,8 @@ def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, ever
                 if engine.rank == 0:
                     line = memory_line(step + 1, args.steps, total, engine, per_rank, rec.last_comm, rec.phi)
                     progress.console.print(line, highlight=False, soft_wrap=True)
+                    if verbose():
+                        progress.console.print(detail_line(per_rank, rec.last_comm), highlight=False, soft_wrap=True)
             if args.save and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
                 path = engine.save_checkpoint(args.save, client_state=client_state(step + 1, rec.losses, args),
                                               keep_last=getattr(args, "keep_last", None))
