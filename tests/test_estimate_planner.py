@@ -23,9 +23,40 @@ def test_small_model_gets_plain_data_parallelism():
 def test_13b_on_8x80gb_takes_the_smallest_stage_that_fits():
     p = plan(shape_from_params("13B"), cluster(g=8), Workload())
     w = p.winner
-    assert w.strategy.stage == Stage.GRADIENTS and w.strategy.offload_optimizer == OffloadDevice.NONE
+    assert w.strategy.stage >= Stage.GRADIENTS and w.strategy.offload_optimizer == OffloadDevice.NONE
     rejected = [c for c in p.candidates if not c.fits]
     assert {int(c.strategy.stage) for c in rejected} == {0, 1}
+
+
+CASES = [("7B", cluster(g=8)), ("13B", cluster(g=8)), ("1.3B", cluster(gpu="rtx4090")), ("7B", cluster(g=2)),
+         ("350M", cluster(g=8, gpu="a100-40gb")), ("30B", cluster(2, 8)), ("7B", cluster(gpu="rtx4090", cpu="128GiB"))]
+
+
+@pytest.mark.parametrize("params, where", CASES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
+def test_the_choice_is_the_fastest_fit_with_margin_and_its_reasons_agree(params, where):
+    """Issue 45: a lower stage is kept only within SPEED_TRADE of the fastest fit of the winner's
+    tier, a tight fit (above 95 % of usable memory) only when nothing fits with margin, and no
+    route line contradicts itself ("less traffic (2.0 Φ vs 2.0 Φ)")."""
+    import re
+
+    from zeroshard.estimate.planner import SPEED_TRADE, TIGHT_MARGIN, candidate_strategies
+
+    p = plan(shape_from_params(params), where, Workload())
+    w = p.winner
+    tiers = candidate_strategies(Workload(), p.shape.hidden)
+    tier = next(t for t in tiers if w.strategy in t)
+    roomy = [c for c in p.candidates if c.fits and c.strategy in tier
+             and c.memory.device_total <= (1 - TIGHT_MARGIN) * c.device_budget]
+    if roomy:
+        assert w in roomy
+        fastest = min(c.time.step for c in roomy)
+        assert w.time.step <= fastest * (1 + SPEED_TRADE) + 5e-4
+        lower = [c for c in roomy if c.strategy.stage < w.strategy.stage]
+        assert all(c.time.step > fastest * (1 + SPEED_TRADE) for c in lower)  # each traded for speed
+    for line in p.route:
+        for a, b in re.findall(r"less \(?(?:traffic \()?([0-9.]+) Φ vs ([0-9.]+) Φ", line):
+            assert float(a) < float(b), line
+    assert p.route[-1].startswith(f"winner: {w.label()}")
 
 
 def test_7b_on_one_24gb_gpu_offloads_to_host():

@@ -1,8 +1,10 @@
 """The advisor: which stage, which offload, which ZeRO++ knobs, and why.
 
 Decision route: tiers of candidates, cheapest knobs first; a tier is tried only when
-nothing in the tiers before it fits, and the fastest candidate that fits in the first
-tier that fits wins (ties within TIE_SECONDS: the earlier one, i.e. the lower stage):
+nothing in the tiers before it fits with margin (a fit above 1 - TIGHT_MARGIN of usable
+memory is taken only when nothing fits with margin anywhere), and in the first tier that
+fits the fastest predicted candidate wins, unless a lower stage is within SPEED_TRADE of it
+(then the lowest such stage; ties within TIE_SECONDS: the earlier one):
 1. no offload, no activation checkpointing (stages 0-3; stages 1 and 2 cost no more
    communication than stage 0, stage 3 costs 1.5x);
 2. the same with activation checkpointing (a third more compute, no traffic);
@@ -41,6 +43,10 @@ ZEROPP_MIN_GAIN = 0.02  # ZeRO++ must shorten the step by this fraction to be wo
 MAX_NODES = 65_536  # where the search for a cluster that fits gives up
 MAX_GPUS_PER_NODE = 8
 TIE_SECONDS = 0.0005  # step times closer than this are a tie: the earlier candidate of the route wins
+# A lower stage is kept unless a higher one is predicted more than this much faster (the time
+# model's terms are not validated to a few per cent on GPUs): less state moved for a small cost.
+SPEED_TRADE = 0.05
+TIGHT_MARGIN = 0.05  # a fit above 95 % of usable device memory is tight: taken only when nothing fits with margin
 # Optimizer sub-group for NVMe offload: 1e8 fp32 elements = 400 MB per swap buffer; DeepSpeed's
 # 1e9 default would pin 16 GB of host memory in its 4 buffers.
 NVME_SUB_GROUP_SIZE = 100_000_000
@@ -133,23 +139,39 @@ class Plan:
         return d
 
 
+def _tight(c: Candidate) -> bool:
+    """A fit that uses more than 1 - TIGHT_MARGIN of the usable device memory: it rests on the
+    transient-buffer figures, which docs/estimate.md calls not validated at stage 3."""
+    return c.memory.device_total > (1 - TIGHT_MARGIN) * c.device_budget
+
+
+def _pick(fits: list[Candidate], lora: bool) -> Candidate:
+    """The choice among fits of one tier: the fastest predicted; without a frozen base, the
+    lowest stage (first in the route) whose step is within SPEED_TRADE of the fastest."""
+    fastest = min(fits, key=lambda c: c.time.step)
+    if lora:
+        return next(c for c in fits if c.time.step <= fastest.time.step + TIE_SECONDS)
+    return next(c for c in fits if c.time.step <= fastest.time.step * (1 + SPEED_TRADE) + TIE_SECONDS)
+
+
 def _first_fit_tier(shape, cluster, work, record: list | None = None) -> tuple[Candidate | None, int]:
-    """(winner, index of its tier). The whole tier of the first fit is evaluated (and recorded):
-    the lowest stage that fits wins ("use ZeRO-2 where it serves"); with a frozen base (LoRA)
-    the fastest fit of the tier wins (ties within TIE_SECONDS: the earlier one), since
-    offloading the base's parameters and offloading a few MB of optimizer states cost very
-    different times."""
+    """(winner, index of its tier): the first tier of the route with a fit that has margin
+    (not _tight), else the first with any fit; within it, _pick. The whole tier is evaluated
+    (and recorded)."""
     lora = shape.frozen_params > 0
-    for i, tier in enumerate(candidate_strategies(work, shape.hidden, frozen_base=lora)):
-        best = None
-        for s in tier:
-            c = evaluate(shape, s, cluster, work)
-            if record is not None:
-                record.append(c)
-            if c.fits and (best is None or (lora and c.time.step < best.time.step - TIE_SECONDS)):
-                best = c
-        if best is not None:
-            return best, i
+    tiers = [[evaluate(shape, s, cluster, work) for s in tier]
+             for tier in candidate_strategies(work, shape.hidden, frozen_base=lora)]
+    for roomy_only in (True, False):
+        for i, tier in enumerate(tiers):
+            fits = [c for c in tier if c.fits and not (roomy_only and _tight(c))]
+            if fits:
+                if record is not None:
+                    for t in tiers[: i + 1]:
+                        record.extend(t)
+                return _pick(fits, lora), i
+    if record is not None:
+        for t in tiers:
+            record.extend(t)
     return None, -1
 
 
@@ -186,24 +208,50 @@ def plan(shape: ModelShape, cluster: Cluster, work: Workload) -> Plan:
         return p
     lora = shape.frozen_params > 0
     tiers = candidate_strategies(work, shape.hidden, frozen_base=lora)
-    why = ("the fastest that fits" if lora else "the lowest stage that fits") + \
-        f" in the first tier of the route with a fit ({_tier_name(tiers[tier_index])})"
+    tier_fits = [c for c in p.candidates if c.fits and c.strategy in tiers[tier_index]]
+    fastest = min((c for c in tier_fits if not _tight(c)), key=lambda c: c.time.step, default=winner)
+    if len(tier_fits) == 1:
+        why = "the only fit"
+    elif lora:
+        why = "the fastest that fits"
+    elif fastest is winner:
+        why = "the fastest predicted step" + ("" if winner is tier_fits[0] else " among the fits")
+    else:
+        why = (f"the lowest stage within {SPEED_TRADE:.0%} of the fastest predicted step "
+               f"({fastest.label()}, {fastest.time.step:.2f} s)")
+    why += f" in the first tier of the route with a fit ({_tier_name(tiers[tier_index])})"
     if tier_index > 0:
-        why += "; nothing fits in the cheaper tiers before it"
+        why += "; nothing fits with margin in the cheaper tiers before it" if any(
+            c.fits for c in p.candidates if c.strategy not in tiers[tier_index]) else \
+            "; nothing fits in the cheaper tiers before it"
     for c in p.candidates:
         if c is winner:
+            tight = (f", tight: above {1 - TIGHT_MARGIN:.0%} of usable memory, resting on stage-3 transient "
+                     "figures docs/estimate.md calls not validated; nothing fits with more margin"
+                     if _tight(c) else "")
             p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} of "
-                           f"{c.device_budget / GIB:.1f} GiB usable per device); {why}")
-        elif c.fits:  # another fit in the winner's tier
+                           f"{c.device_budget / GIB:.1f} GiB usable per device{tight}); {why}")
+        elif c.fits and _tight(c) and not _tight(winner):
+            p.route.append(f"{c.label()}: fits only tightly ({c.memory.device_total / GIB:.1f} of "
+                           f"{c.device_budget / GIB:.1f} GiB usable, above {1 - TIGHT_MARGIN:.0%}), and the "
+                           "stage-3 transient figures it rests on are not validated: a fit with margin is preferred")
+        elif c.fits and c.strategy in tiers[tier_index]:  # another fit in the winner's tier
             d = c.time.step - winner.time.step
             if abs(d) < TIE_SECONDS:
                 verdict = "same step time (within 1 ms), the earlier in the route wins"
             elif lora or d > 0:
                 verdict = _compare(c, winner)
-            else:  # a higher stage predicted faster: its traffic (3Φ) hides behind compute in the model
-                verdict = (f"{_compare(c, winner)}, but a higher stage: ZeRO-{int(winner.strategy.stage)} "
-                           f"serves, with less traffic ({winner.comm.paper_units:.1f} Φ vs {c.comm.paper_units:.1f} Φ)")
+                if not lora and c.strategy.stage < winner.strategy.stage:  # the lower stage it traded
+                    verdict += (f" (+{d / winner.time.step:.0%}, more than the {SPEED_TRADE:.0%} a lower stage "
+                                "may cost)")
+            else:  # a higher stage predicted faster, by at most SPEED_TRADE
+                traffic = (f"; ZeRO-{int(winner.strategy.stage)} also sends less ({winner.comm.paper_units:.1f} Φ "
+                           f"vs {c.comm.paper_units:.1f} Φ)" if winner.comm.paper_units < c.comm.paper_units else "")
+                verdict = (f"{_compare(c, winner)} ({-d / winner.time.step:.0%}), within {SPEED_TRADE:.0%}: the "
+                           f"lower stage is kept{traffic}")
             p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} GiB per device), {verdict}")
+        elif c.fits:  # an earlier tier's tight fit (the winner has margin)
+            p.route.append(f"{c.label()}: fits ({c.memory.device_total / GIB:.1f} GiB per device)")
         else:
             p.route.append(f"{c.label()}: rejected, {c.why_not()}")
     # When the winner needed a knob (checkpointing, offload): the fastest fit of each later tier,
