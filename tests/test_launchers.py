@@ -5,6 +5,7 @@ for a silent world of 1. (Real processes: test_launchers_real.py.)"""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import types
 
@@ -133,6 +134,7 @@ def test_launchers_are_read_in_order():
     ({"OMPI_COMM_WORLD_SIZE": "x", "OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE='x' is not an integer"),
     ({k: v for k, v in _slurm(1).items() if "NODELIST" not in k}, "nothing says where rank 0 listens"),
     (_slurm(1, SLURM_NODEID="5"), "SLURM_NODEID=5"),
+    ({"PMIX_RANK": "0"}, "PMIX_RANK=0 is set but no world size"),
 ])
 def test_worlds_that_cannot_be_joined_are_errors(env, words):
     with pytest.raises(CommError) as err:
@@ -173,6 +175,10 @@ def test_mpi4py_shares_rank_0s_address(monkeypatch):
     world = discover(_ompi(1, 2, 1))
     assert (world.master_addr, world.master_how) == ("10.9.8.7", "rank 0's address, broadcast by mpi4py")
     assert sent == [(None, 0)]  # rank 1 sends nothing, receives rank 0's
+    monkeypatch.setattr(Comm, "Get_rank", lambda self: 0)
+    discover(_ompi(0, 2, 1))
+    own = sent[-1][0]  # rank 0 sends its own address: one this host has
+    assert own and socket.getaddrinfo(own, None)[0][4][0] == own
 
 
 @pytest.fixture

@@ -227,8 +227,8 @@ def test_real_mpirun_and_launch_with_a_hostfile_train_as_one_job(tmp_path, kind,
     folder = _mpi_bin(kind)
     root = ["--allow-run-as-root"] if kind == "openmpi" and os.geteuid() == 0 else []
     env = {**_clean_env(), "PATH": folder + os.pathsep + os.environ["PATH"], "MASTER_PORT": str(free_port())}
-    run = subprocess.run(["mpirun", "-n", "2", *root, sys.executable, SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    run = subprocess.run(["mpirun", "-n", "2", *root, sys.executable, SCRIPT, "--deepspeed"], env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)  # init_distributed()
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     source = "OpenMPI" if kind == "openmpi" else "MPICH/Intel MPI (PMI)"
     assert f"world 2 from {source}, master 127.0.0.1:" in run.stderr
@@ -242,3 +242,23 @@ def test_real_mpirun_and_launch_with_a_hostfile_train_as_one_job(tmp_path, kind,
     assert f"world 2 from {source}, master localhost:" in run.stderr
     got = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
     assert got["losses"] == torchrun_losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["openmpi", "mpich"])
+def test_real_mpirun_four_ranks_through_a_hostfile(tmp_path, kind):
+    folder = _mpi_bin(kind)
+    port = free_port()
+    torchrun = [{"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in range(4)]
+    want = _report(start(torchrun, [sys.executable, SCRIPT]))
+    (tmp_path / "hosts").write_text("localhost slots=4\n")
+    extra = ["--launcher_args=--oversubscribe"] if kind == "openmpi" else []  # more ranks than cores here
+    run = _launch(tmp_path, ["--hostfile", "hosts", "--launcher", kind, *extra, "--master_port", str(free_port()),
+                             SCRIPT], [folder])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    got = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
+    # OpenMPI numbers local ranks in the order it maps processes, not always as the global ranks
+    assert got["world"] == 4 and [r for r, _ in got["ranks"]] == [0, 1, 2, 3]
+    assert sorted(local for _, local in got["ranks"]) == [0, 1, 2, 3]
+    assert got["losses"] == want["losses"]

@@ -256,6 +256,9 @@ def discover(env: Mapping[str, str] | None = None, default_port: int = DEFAULT_P
         if size is not None and size != outer.world_size:
             raise CommError(f"WORLD_SIZE={size} but {outer.source} says a world of {outer.world_size}; {FIX}")
         return outer
+    if launchers and "PMIX_RANK" in env:  # a PMIx launcher, but no size: cannot tell the world from one
+        raise CommError(f"PMIX_RANK={env['PMIX_RANK']} is set but no world size (PMI_SIZE, or an srun step's "
+                        f"SLURM_NTASKS): zeroshard cannot tell which world to join; {FIX}")
     world = _torchrun(env)  # WORLD_SIZE alone (> 1) is an error; else a single process
     if "SLURM_NTASKS" in env and (_int(env, "SLURM_NTASKS") or 1) > 1 and "SLURM_PROCID" in env:
         return World(world.source, 0, 1, 0, 1, note=f"a Slurm batch script with SLURM_NTASKS={env['SLURM_NTASKS']}"
