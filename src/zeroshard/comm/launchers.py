@@ -90,7 +90,7 @@ def _first(env: Mapping[str, str], *names: str) -> tuple[int | None, str | None]
 def _check(source: str, rank: int, size: int, local_rank: int, local_size: int) -> None:
     if size < 1 or not 0 <= rank < size:
         raise CommError(f"{source} says rank {rank} of a world of {size}, which cannot be; {FIX}")
-    if local_size < 1 or not 0 <= local_rank < local_size or local_size > size:
+    if local_size < 1 or not 0 <= local_rank < local_size:
         raise CommError(f"{source} says local rank {local_rank} of {local_size} on this node in a world of "
                         f"{size}, which cannot be; {FIX}")
 
@@ -103,14 +103,15 @@ def _master(env: Mapping[str, str], default_port: int) -> tuple[str | None, int,
 def _torchrun(env: Mapping[str, str]) -> World:
     rank, size = _int(env, "RANK") or 0, _int(env, "WORLD_SIZE") or 1
     local_rank = _int(env, "LOCAL_RANK") or 0
-    local_size = _int(env, "LOCAL_WORLD_SIZE") or size
+    local_size = min(_int(env, "LOCAL_WORLD_SIZE") or size, size)  # as setup_topology always took it
     missing = [v for v in _TORCHRUN if v not in env]
     if size > 1 and missing:
         raise CommError(f"WORLD_SIZE={size} but {', '.join(missing)} not set: launch with `torchrun` (or "
                         "`zeroshard launch`), which sets all of them.")
-    _check("torchrun's RANK/WORLD_SIZE", rank, size, local_rank, local_size)
     if size == 1:
         return World("single process" if missing else "torchrun", 0, 1, local_rank, 1)
+    if not 0 <= rank < size:  # LOCAL_RANK is left as it was: a device index some setups choose themselves
+        raise CommError(f"RANK={rank} but WORLD_SIZE={size}: a rank is 0..WORLD_SIZE-1; {FIX}")
     return World("torchrun", rank, size, local_rank, local_size, env["MASTER_ADDR"], _int(env, "MASTER_PORT"),
                  "", _int(env, "GROUP_RANK"))
 
