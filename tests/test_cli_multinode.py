@@ -181,3 +181,21 @@ def test_one_host_without_launcher_and_no_ssh_run_here(tmp_path, monkeypatch):
     assert seen[-1][0][3:8] == ["--nnodes=2", "--node-rank=1", "--master-addr=a", "--master-port=29500",
                                 "--nproc-per-node=1"]
     assert seen[-1][1]["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_a_launcher_started_n_times_by_srun_or_mpirun_is_refused(capsys, tmp_path, monkeypatch):
+    """`srun -n 2 zeroshard launch --nproc 4 train.py` would be two separate jobs of 4 ranks."""
+    (tmp_path / "train.py").write_text("")
+    for key, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0",
+                       "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}.items():
+        monkeypatch.setenv(key, value)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["launch", "--nproc", "4", str(tmp_path / "train.py")]) == 2
+    err = capsys.readouterr().err
+    assert "Slurm started 2 copies of this launcher but --nnodes is 1" in err and err.count("\n") == 1
+    from zeroshard.cli.launch_cmd import check_rendezvous
+    from zeroshard.cli.main import build_parser
+
+    args = build_parser().parse_args(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "n1", "t.py"])
+    assert check_rendezvous(args) is None  # one launcher per node: srun --ntasks-per-node=1 zeroshard launch ...

@@ -178,7 +178,23 @@ def check_rendezvous(args: argparse.Namespace) -> str | None:
         return f"--master-port {args.master_port} is not a TCP port"
     if getattr(args, "max_restarts", 0) < 0:
         return f"--max-restarts must be 0 or more, got {args.max_restarts}"
-    return None
+    return check_outer_launcher(args.nnodes)
+
+
+def check_outer_launcher(nnodes: int) -> str | None:
+    """Why this launcher, itself started N times by mpirun or srun, would start N separate jobs."""
+    from zeroshard.comm.launchers import discover
+    from zeroshard.policies import CommError
+
+    try:
+        outer = discover(find_master=False)
+    except CommError:
+        return None  # the ranks will say what is wrong with the launcher's variables
+    if outer.source in ("torchrun", "single process") or outer.world_size in (1, nnodes):
+        return None
+    return (f"{outer.source} started {outer.world_size} copies of this launcher but --nnodes is {nnodes}: they "
+            "would train as separate jobs. Start one launcher per node with --nnodes N --node-rank I --master-addr "
+            "HEAD, or start the script itself with mpirun/srun (docs/clusters.md)")
 
 
 def torchrun_command(args: argparse.Namespace, target: list[str]) -> list[str]:
