@@ -113,7 +113,7 @@ def test_deepspeed_launcher_flags_map_onto_torchrun():
 
 @pytest.mark.parametrize("argv, words", [
     (["--num_nodes", "2"], "on each node"),
-    (["--hostfile", "hosts"], "no ssh fan-out"),
+    (["--hostfile", "no-such-hostfile"], "No such file"),
     (["--include", "worker-0:0@worker-1:0"], "this host only"),
     (["--include", "worker-7:0"], "not this host"),
     (["--include", "localhost:0", "--num_gpus", "1"], "cannot be combined"),

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from zeroshard.api.engine import Engine, SchedulerArg
-from zeroshard.comm import setup_topology, world_size_hint
+from zeroshard.comm import discover, setup_topology, world_size_hint
 from zeroshard.config import load_config
 from zeroshard.optim.template import OptimizerArg
 
@@ -24,7 +24,8 @@ def _configure_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
-    log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+    rank = discover(find_master=False).rank  # torchrun's RANK, or mpirun's / srun's rank
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     log.propagate = False
 
 

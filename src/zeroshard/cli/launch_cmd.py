@@ -16,19 +16,32 @@ DeepSpeed command line only changes its first word:
 
 --num_gpus N is --nproc N; --include/--exclude localhost:0,2 pick devices on this host
 (CUDA_VISIBLE_DEVICES, one rank each); --master_port/--master_addr/--node_rank are
---master-port/--master-addr/--node-rank; --num_nodes N is --nnodes N, run on every node
-(torchrun has no ssh fan-out: there is no --hostfile). torchrun gives ranks LOCAL_RANK
-in the environment, not a --local_rank argument (--no_local_rank is accepted).
+--master-port/--master-addr/--node-rank; --num_nodes N is --nnodes N, run on every node.
+torchrun gives ranks LOCAL_RANK in the environment, not a --local_rank argument
+(--no_local_rank is accepted).
+
+Several nodes from one command, with DeepSpeed's hostfile (`HOST slots=N` lines) and the
+real tool (cli/multinode.py has the exact command lines):
+
+    zeroshard launch --hostfile hosts --launcher pdsh|ssh|openmpi|mpich|impi|slurm train.py ...
+
+--include/--exclude HOST[:SLOTS][@HOST...], --num_nodes, --num_gpus pick from the hostfile;
+--launcher_args "..." go to the tool; --no_ssh runs this node's share only (--node_rank I).
+Without --launcher, a hostfile of several hosts uses pdsh (DeepSpeed's default) and one host
+runs here. Elastic --nnodes MIN:MAX is not supported.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
 import socket
 import sys
 
-from zeroshard.cli import deepspeed_shadow
+from zeroshard.cli import deepspeed_shadow, multinode
+from zeroshard.cli.hostfile import HostfileError, active_resources, parse_hostfile
 
 __all__ = ["add_rendezvous_arguments", "apply_deepspeed_flags", "check_nproc", "rank_target", "register", "run_torchrun",
            "torchrun_command"]
@@ -68,7 +81,13 @@ def add_deepspeed_launcher_arguments(p: argparse.ArgumentParser) -> None:
     ds.add_argument("--node_rank", type=int, dest="node_rank", default=argparse.SUPPRESS, help="= --node-rank")
     ds.add_argument("-i", "--include", default=None, help="devices of this host to use, e.g. localhost:0,2")
     ds.add_argument("-e", "--exclude", default=None, help="devices of this host not to use, e.g. localhost:1")
-    ds.add_argument("-H", "--hostfile", default=None, help=argparse.SUPPRESS)
+    ds.add_argument("-H", "--hostfile", default=None, help="DeepSpeed's hostfile (`HOST slots=N` per line): start "
+                    "ranks on every host with --launcher")
+    ds.add_argument("--launcher", choices=multinode.LAUNCHERS, default=None,
+                    help="the tool that starts the ranks of a hostfile (default pdsh, as deepspeed)")
+    ds.add_argument("--launcher_args", "--launcher-args", default="", help="arguments for the launcher tool, one string")
+    ds.add_argument("--no_ssh", action="store_true", help="start only this node's ranks (--node_rank I of the hostfile)")
+    ds.add_argument("--ssh_port", type=int, default=None, help="ssh port for --launcher pdsh/ssh")
     ds.add_argument("--no_local_rank", action="store_true", help="accepted: torchrun passes LOCAL_RANK in the "
                     "environment, never --local_rank")
 
@@ -95,9 +114,6 @@ def apply_deepspeed_flags(args: argparse.Namespace, device_count: int) -> tuple[
     """Map the deepspeed launcher's flags onto --nproc/--nnodes; returns (problem, extra environment).
     `device_count` is the CUDA devices of this host (0 on CPU, where --include/--exclude count ranks)."""
     env: dict[str, str] = {}
-    if getattr(args, "hostfile", None):
-        return ("--hostfile: zeroshard launch has no ssh fan-out; on each node run `zeroshard launch --nproc G "
-                "--nnodes N --node-rank I --master-addr HEAD script.py` (torchrun's static rendezvous)"), env
     if args.num_gpus is not None:
         if args.nproc is not None and args.nproc != args.num_gpus:
             return f"--num_gpus {args.num_gpus} and --nproc {args.nproc} disagree; give one of them", env
@@ -162,7 +178,23 @@ def check_rendezvous(args: argparse.Namespace) -> str | None:
         return f"--master-port {args.master_port} is not a TCP port"
     if getattr(args, "max_restarts", 0) < 0:
         return f"--max-restarts must be 0 or more, got {args.max_restarts}"
-    return None
+    return check_outer_launcher(args.nnodes)
+
+
+def check_outer_launcher(nnodes: int) -> str | None:
+    """Why this launcher, itself started N times by mpirun or srun, would start N separate jobs."""
+    from zeroshard.comm.launchers import discover
+    from zeroshard.policies import CommError
+
+    try:
+        outer = discover(find_master=False)
+    except CommError:
+        return None  # the ranks will say what is wrong with the launcher's variables
+    if outer.source in ("torchrun", "single process") or outer.world_size in (1, nnodes):
+        return None
+    return (f"{outer.source} started {outer.world_size} copies of this launcher but --nnodes is {nnodes}: they "
+            "would train as separate jobs. Start one launcher per node with --nnodes N --node-rank I --master-addr "
+            "HEAD, or start the script itself with mpirun/srun (docs/clusters.md)")
 
 
 def torchrun_command(args: argparse.Namespace, target: list[str]) -> list[str]:
@@ -203,9 +235,76 @@ def run_torchrun(cmd: list[str], extra_env: dict[str, str] | None = None, comman
     return supervise(cmd, env, command, describe_stop)
 
 
+def _hosts(args: argparse.Namespace):
+    """The hostfile's active slots per host (None without --hostfile)."""
+    if not args.hostfile:
+        return None
+    try:
+        with open(args.hostfile) as fh:
+            pool = parse_hostfile(fh.read(), args.hostfile)
+    except OSError as exc:
+        raise HostfileError(f"--hostfile {args.hostfile}: {exc.strerror}") from None
+    return active_resources(pool, args.include or "", args.exclude or "", args.num_nodes or -1, args.num_gpus or -1)
+
+
+def _here(args: argparse.Namespace, active, node_rank: int) -> dict[str, str]:
+    """Make `args` start this node's share of `active` with torchrun; the extra environment."""
+    hosts = list(active)
+    slots = active[hosts[node_rank]]
+    args.nproc, args.nnodes, args.node_rank = len(slots), len(hosts), node_rank
+    if len(hosts) > 1:
+        args.master_addr = args.master_addr or hosts[0]
+    args.hostfile = args.include = args.exclude = args.num_gpus = args.num_nodes = None
+    return {} if slots == list(range(len(slots))) else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
+
+
+def run_multinode(args: argparse.Namespace) -> int | None:
+    """`--hostfile`/`--launcher`: fan out with the tool and return its status, or, for one host
+    without --launcher or for --no_ssh, set `args` up for this node and return None."""
+    try:
+        active = _hosts(args)
+    except HostfileError as exc:
+        print(f"zeroshard launch: {exc}", file=sys.stderr)
+        return 2
+    launcher = args.launcher
+    if active is not None and (args.no_ssh or (launcher is None and len(active) == 1)):
+        if not 0 <= args.node_rank < len(active):
+            print(f"zeroshard launch: --no_ssh: --node_rank {args.node_rank} is not a host of the hostfile "
+                  f"(0..{len(active) - 1})", file=sys.stderr)
+            return 2
+        args.launcher_env = _here(args, active, args.node_rank)
+        return None
+    launcher = launcher or "pdsh"
+    if launcher != "slurm":
+        args.master_addr = args.master_addr or (next(iter(active)) if active else None)
+    problem = None if args.module or os.path.isfile(args.script) else f"{args.script}: no such script"
+    served_problem, served_env, served_line = deepspeed_shadow.shadow_env(args)
+    cwd = os.getcwd()
+    exports = multinode.forwarded_env(dict(os.environ), cwd, served_env.get("PYTHONPATH", ""))
+    try:
+        cmds, tool_env = multinode.build(launcher, active, args, exports, cwd) if not problem else ([], {})
+    except ValueError as exc:
+        problem = str(exc)
+    problem = problem or served_problem
+    if not problem and not shutil.which(cmds[0][0]):
+        problem = f"--launcher {launcher}: `{cmds[0][0]}` is not on PATH here; install it or pick another --launcher"
+    if problem:
+        print(f"zeroshard launch: {problem}", file=sys.stderr)
+        return 2
+    print(served_line, flush=True)
+    for cmd in cmds:
+        print(f"zeroshard launch: {launcher}: {shlex.join(cmd)}", flush=True)
+    names = [f"{launcher} {h}" for h in active] if launcher == "ssh" else [launcher]
+    return multinode.fan_out(cmds, {**os.environ, **exports, **tool_env}, names)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.hostfile or args.launcher:
+        status = run_multinode(args)
+        if status is not None:
+            return status
     problem, extra_env = apply_deepspeed_flags(args, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     args.nproc = 2 if args.nproc is None else args.nproc
     problem = problem or check_nproc(args.nproc) or check_rendezvous(args)
@@ -217,6 +316,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"zeroshard launch: {problem}", file=sys.stderr)
         return 2
     print(served_line, flush=True)  # a notice, not an error: stdout
-    extra_env = {**extra_env, **served_env}
+    extra_env = {**extra_env, **getattr(args, "launcher_env", {}), **served_env}
     target = ["-m", args.script] if args.module else [args.script]
     return run_torchrun(torchrun_command(args, rank_target([*target, *args.script_args])), extra_env)

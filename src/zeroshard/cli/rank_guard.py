@@ -121,11 +121,17 @@ def _on_signal(signum: int, frame) -> None:
     raise StopRequested(signum)
 
 
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")  # torchrun's, mpirun's, srun's
+
+
 def _rank() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    """This process's rank as its launcher numbered it (before zeroshard exported RANK, too)."""
+    for name in _RANK_VARS:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return 0
 
 
 def channel() -> str | None:

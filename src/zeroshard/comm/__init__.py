@@ -17,6 +17,8 @@ _HOMES = {
     **dict.fromkeys(("dequantize", "quantize"), "zeroshard.comm.quantization"),
     **dict.fromkeys(("INTER_NODE", "INTRA_NODE", "SCOPES", "Group", "Hierarchy", "Topology", "setup_topology",
                      "world_size_hint"), "zeroshard.comm.topology"),
+    **dict.fromkeys(("World", "discover", "join_launcher"), "zeroshard.comm.launchers"),
+    "expand_hostlist": "zeroshard.comm.hostlist",
     **dict.fromkeys(("QuantizedAllGather", "QuantizedAllToAll", "QuantizedHierarchicalReduceScatter"),
                     "zeroshard.comm.zeropp"),
 }

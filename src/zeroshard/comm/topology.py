@@ -1,7 +1,8 @@
 """Process group and device: one validated object, created once by `setup_topology`.
 
 Uses the default process group when one exists (a user or a test made it), else
-creates it from torchrun's environment, else runs as a single process (world 1).
+creates it from the launcher's environment (torchrun, mpirun, srun: comm/launchers.py), else
+runs as a single process (world 1).
 It remembers whether it created the group, and only then destroys it.
 """
 
@@ -11,6 +12,7 @@ import atexit
 import contextlib
 import datetime
 import importlib
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.policies import CommError, ConfigError
+from zeroshard.comm.launchers import DEFAULT_PORT, discover, join_launcher
+from zeroshard.policies import ConfigError
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+log = logging.getLogger("zeroshard")
 
 
 INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
@@ -190,10 +193,11 @@ def _destroy_at_exit() -> None:
 
 
 def world_size_hint() -> int:
-    """World size before any group exists: the live group's, else torchrun's, else 1."""
+    """World size before any group exists: the live group's, else the launcher's, else 1
+    (a launcher's world zeroshard could not join raises CommError here, before any other work)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return discover(find_master=False).world_size
 
 
 def _device_for(local_rank: int, backend: str) -> torch.device:
@@ -203,17 +207,21 @@ def _device_for(local_rank: int, backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def setup_topology(timeout_s: float) -> Topology:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+def setup_topology(timeout_s: float, default_port: int = DEFAULT_PORT, launchers: bool = True) -> Topology:
+    """The topology on the live default group, else on one made from the launcher's world
+    (`join_launcher`: `default_port` for MPI on one host, `launchers=False` for torchrun's
+    variables only), else a single process."""
     owns = False
     if not dist.is_initialized():
-        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
-        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and missing:
-            raise CommError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: "
-                            "launch with `torchrun` (or `zeroshard launch`), which sets all of them.")
-        if missing:
-            return Topology(0, 1, 0, 1, _device_for(local_rank, "none"), "none", False)
+        world = join_launcher(default_port, launchers)
+        if world.world_size == 1:
+            if world.note:
+                log.warning("zeroshard: %s", world.line())
+            return Topology(0, 1, 0, 1, _device_for(world.local_rank, "none"), "none", False)
+        log.info("zeroshard: %s", world.line())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         device = _device_for(local_rank, backend)
         kwargs = {"device_id": device} if backend == "nccl" else {}
