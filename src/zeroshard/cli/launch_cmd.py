@@ -42,6 +42,7 @@ import sys
 
 from zeroshard.cli import deepspeed_shadow, multinode
 from zeroshard.cli.hostfile import HostfileError, active_resources, parse_hostfile
+from zeroshard.cli.launch_config import config_problem
 
 __all__ = ["add_rendezvous_arguments", "apply_deepspeed_flags", "check_nproc", "rank_target", "register", "run_torchrun",
            "torchrun_command"]
@@ -299,6 +300,11 @@ def run_multinode(args: argparse.Namespace) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the script's DeepSpeed config, read before any rank starts (and before torch is imported)
+    problem = config_problem(args.script_args, (args.nproc or 2) * (getattr(args, "nnodes", None) or 1))
+    if problem:
+        print(f"zeroshard launch: {problem}", file=sys.stderr)
+        return 2
     import torch
 
     if args.hostfile or args.launcher:
