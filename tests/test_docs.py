@@ -9,6 +9,7 @@ rewrites the shown output, and the prose around it is the author's to check."""
 from __future__ import annotations
 
 import difflib
+import os
 
 import pytest
 
@@ -74,3 +75,22 @@ def test_the_readme_is_a_front_door_whose_links_resolve():
                 continue
             path = os.path.normpath(os.path.join(root, os.path.dirname(page), target))
             assert os.path.exists(path), f"{page} links to {target}, which does not exist"
+
+
+def test_the_readme_script_snippet_runs_as_shown(tmp_path, monkeypatch):
+    """README's "Use it in your script" block, run as written (one process): it trains and
+    saves (issue 45: the snippet called a model that returns a tuple as if it returned a loss)."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    snippet = re.search(r"## Use it in your script\n\n```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    engine = scope["engine"]
+    assert engine.global_steps == 20 and (tmp_path / "ckpt" / "latest").is_file()
+    assert scope["loss"].item() < 4.0  # ln(64) = 4.16 at the start
+    engine.close()
