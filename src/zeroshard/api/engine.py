@@ -26,6 +26,7 @@ from torch import nn
 
 from zeroshard.api.banner import log_startup, log_step
 from zeroshard.monitor import open_monitors
+from zeroshard.monitor.flops import open_flops_profiler
 from zeroshard.api.gathered import register_engine
 from zeroshard.api.surface import EngineSurface, cast_floats
 from zeroshard.comm import Comm, CommLedger, Topology
@@ -97,6 +98,8 @@ class Engine(EngineSurface):
         if topology.rank == 0:
             log_startup(run, topology, self.lr_scheduler, self.memory.stats(), [f"  {store.describe()}"])
         self.monitors = open_monitors(settings.monitors, topology.rank)  # rank 0's writers, if any
+        self.flops_profiler = open_flops_profiler(settings.raw.get("flops_profiler"), module, [
+            b.layout for b in (*self.buckets, *self.frozen_buckets)], topology.rank)
 
     # -- the training loop ------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -107,11 +110,15 @@ class Engine(EngineSurface):
         if self.settings.runtime.cast_forward_inputs and self.compute_dtype != torch.float32:
             args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
         started = time.perf_counter()
+        if self.flops_profiler:
+            self.flops_profiler.begin_forward(self.global_steps, args, kwargs)
         self.params.begin_forward()
         try:
             out = self.module(*args, **kwargs)
         finally:
             self.params.end_forward()
+            if self.flops_profiler:
+                self.flops_profiler.end_forward()
         self._timers["forward"] += time.perf_counter() - started
         return out
 
@@ -195,6 +202,8 @@ class Engine(EngineSurface):
         self.comm.where = f"step {self.global_steps}"
         log_step(self)
         self.monitors.after_step(self)
+        if self.flops_profiler:
+            self.flops_profiler.finish(self)
 
     def _raw_grad_norm(self) -> float | None:
         """Norm of the still loss-scaled gradient; inf or nan means overflow on some rank.

@@ -179,7 +179,6 @@ _ZERO_NO_EFFECT = {  # key: value that differs from DeepSpeed's default and has 
 def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
     ac = c.activation_checkpointing
     checks = [
-        (bool(c.flops_profiler and c.flops_profiler.enabled), "flops_profiler.enabled: zeroshard has no flops profiler"),
         (bool(c.autotuning and c.autotuning.enabled),
          "autotuning.enabled: zeroshard does not autotune (`zeroshard plan` suggests settings)"),
         (c.memory_breakdown, "memory_breakdown: zeroshard's memory ledger reports memory instead"),
