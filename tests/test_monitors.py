@@ -77,6 +77,8 @@ def _check(seen: list[dict], series: dict[str, dict[int, float]], rel: float) ->
     for phase in ("forward", "backward", "step"):
         assert sorted(series[f"elapsed_time_ms_{phase}"]) == steps and all(
             v > 0 for v in series[f"elapsed_time_ms_{phase}"].values())
+    reduce = series["elapsed_time_ms_backward_allreduce"]  # the step's reduce-scatter seconds, from the ledger
+    assert sorted(reduce) == steps and all(v > 0 for v in reduce.values())
     assert "loss_scale" not in series  # fp32: DeepSpeed logs the loss scale under fp16 only
 
 
@@ -177,3 +179,22 @@ def test_a_monitor_without_its_library_is_one_error_before_any_rank(tmp_path, mo
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "pip install tensorboard" in lines[0], proc.stderr
     assert "rank" not in proc.stdout.lower() and "step" not in proc.stdout.lower(), proc.stdout
+
+
+def test_zeroshard_train_flags_turn_the_monitors_on(tmp_path):
+    """`zeroshard train --tensorboard DIR --csv DIR`: the main job's curves, one row per step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.cli.main", "train", "--model", "tiny", "--seq-len", "16",
+                           "--steps", "12", "--report", "", "--tensorboard", "tb", "--csv", "csv"],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "csv" / "zeroshard_train" / "Train_Samples_train_loss.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "train_loss"] and [int(r[0]) for r in rows[1:]] == [16 * (i + 1) for i in range(12)]
+    acc = EventAccumulator(str(tmp_path / "tb" / "zeroshard_train"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/comm_sent_bytes/all_gather",
+            "Train/Samples/memory_bytes/params"} <= set(tags)
+    assert [e.step for e in acc.Scalars("Train/Samples/train_loss")] == [16 * (i + 1) for i in range(12)]

@@ -47,20 +47,22 @@ class OpTotals:
 
 
 class CommLedger:
-    """Cumulative totals per collective since the last `reset()`."""
+    """Cumulative totals per collective since the last `reset()`, and since the ledger was
+    made (`lifetime()`: what monitors difference step by step, whoever resets)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self._lifetime = {op: OpTotals() for op in COLLECTIVES}
         self.reset()
 
     def record(self, op: str, dtype: torch.dtype, elements: int, world_size: int | None = None,
                scope: str = INTER_NODE, wire_bytes: int | None = None) -> tuple[OpTotals, OpTotals]:
         """Count one call of `elements` logical elements on a group of `world_size` ranks
         (`wire_bytes`: what the whole tensor weighs on the wire, if not dtype x elements).
-        Returns its overall and per-scope entries, so the caller can add its time to both later."""
+        Returns its overall, per-scope and lifetime entries, so the caller can add its time to each later."""
         n = self.world_size if world_size is None else world_size
         nbytes = elements * torch.empty((), dtype=dtype).element_size() if wire_bytes is None else wire_bytes
-        entries = (self._totals[op], self._scoped[scope][op])
+        entries = (self._totals[op], self._scoped[scope][op], self._lifetime[op])
         for t in entries:
             t.calls += 1
             t.elements += elements
@@ -78,6 +80,10 @@ class CommLedger:
         if by_scope:
             return {scope: {op: asdict(t) for op, t in ops.items()} for scope, ops in self._scoped.items()}
         return {op: asdict(t) for op, t in self._totals.items()}
+
+    def lifetime(self) -> dict:
+        """{op: {calls, elements, bytes, sent_bytes, seconds}} since the ledger was made (never reset)."""
+        return {op: asdict(t) for op, t in self._lifetime.items()}
 
     def paper_elements(self) -> int:
         """Volume in the ZeRO paper's units (all-reduce counts twice its elements)."""

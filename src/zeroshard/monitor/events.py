@@ -3,7 +3,8 @@
 
 - DeepSpeed's: `Train/Samples/train_loss` (rank 0's loss, averaged over the accumulation window:
   no collective is added), `Train/Samples/lr`, `Train/Samples/loss_scale` under fp16, and with
-  `wall_clock_breakdown` `Train/Samples/elapsed_time_ms_{forward,backward,step}` (this step's);
+  `wall_clock_breakdown` `Train/Samples/elapsed_time_ms_{forward,backward,step}` (this step's)
+  and `..._backward_allreduce` (this step's seconds in gradient reductions, from the ledger);
 - zeroshard's own: `Train/Samples/comm_sent_bytes/<collective>` (bytes this rank put on the wire
   in the step, from the traffic ledger), `Train/Samples/memory_bytes/<category>` (model states
   held now and their peaks, from the memory ledger), and with NVMe offload
@@ -22,6 +23,7 @@ from zeroshard.monitor.writers import WRITERS, Event
 
 log = logging.getLogger("zeroshard")
 EVENT_PREFIX = "Train/Samples/"
+_REDUCE = ("reduce_scatter", "all_reduce", "reduce", "all_to_all")  # the gradient reductions (qgZ: all-to-all)
 _MEMORY = ("params", "grads", "optimizer_states", "comm_buffers", "peak_params", "peak_grads",
            "peak_optimizer_states", "peak_comm_buffers")
 
@@ -35,6 +37,7 @@ class Monitors:
         self._losses = 0
         self._last_timers: dict[str, float] = {}
         self._last_sent: dict[str, int] = {}
+        self._last_reduce = 0.0
         self._last_io: tuple[float, int, int] | None = None  # (time, NVMe bytes read, written)
 
     def __bool__(self) -> bool:
@@ -61,11 +64,16 @@ class Monitors:
                 ms = (now.get(phase, 0.0) - self._last_timers.get(phase, 0.0)) * 1000.0
                 events.append((f"elapsed_time_ms_{phase}", ms, samples))
             self._last_timers = now
-        for op, stats in engine.comm_stats().items():
+        lifetime = engine.comm.ledger.lifetime()  # not comm_stats(): a training loop may reset those
+        for op, stats in lifetime.items():
             sent = int(stats["sent_bytes"])
             if sent != self._last_sent.get(op, 0):
                 events.append((f"comm_sent_bytes/{op}", float(sent - self._last_sent.get(op, 0)), samples))
             self._last_sent[op] = sent
+        if engine.settings.wall_clock_breakdown:  # DeepSpeed's name for the time in gradient reduction
+            reduce = sum(lifetime[op]["seconds"] for op in _REDUCE if op in lifetime)
+            events.append(("elapsed_time_ms_backward_allreduce", (reduce - self._last_reduce) * 1000.0, samples))
+            self._last_reduce = reduce
         memory = engine.memory_stats()
         events += [(f"memory_bytes/{k}", float(memory[k]), samples) for k in _MEMORY if k in memory]
         events += self._nvme_rates(engine, samples)

@@ -43,6 +43,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=REPORT_DEFAULT, metavar="PATH",
                    help=f"PNG with the loss curve and memory breakdown (default ./{REPORT_DEFAULT}; '' for none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensorboard", metavar="DIR", help="TensorBoard events under DIR/zeroshard_train (loss, lr, "
+                   "traffic, memory; the config's tensorboard section)")
+    p.add_argument("--csv", metavar="DIR", help="the same events as CSV files under DIR/zeroshard_train")
+    p.add_argument("--wandb", metavar="PROJECT", help="the same events to W&B project PROJECT (WANDB_MODE=offline: "
+                   "no network)")
     p.add_argument("--verbose", action="store_true",
                    help="the whole start-up block (every setting and why) and each rank's memory under each step line")
 
@@ -63,7 +68,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--config", args.config), ("--data", args.data), ("--stage", args.stage),
                         ("--lora", args.lora), ("--keep-last", args.keep_last),
                         ("--micro-batch", args.micro_batch), ("--save", args.save),
-                        ("--resource-log", args.resource_log)):
+                        ("--resource-log", args.resource_log), ("--tensorboard", args.tensorboard),
+                        ("--csv", args.csv), ("--wandb", args.wandb)):
         if value is not None:
             argv += [flag, str(value)]
     argv += [flag for flag, on in (("--bf16", args.bf16), ("--resume", args.resume),

@@ -95,6 +95,12 @@ def build_config(args: argparse.Namespace, unit_classes: list[str]) -> dict[str,
         zero["offload_optimizer"] = {**(zero.get("offload_optimizer") or {}), **where}
         if stage == 3:
             zero["offload_param"] = {**(zero.get("offload_param") or {}), **where}
+    for section, path in (("tensorboard", getattr(args, "tensorboard", None)), ("csv_monitor", getattr(args, "csv", None))):
+        if path:  # --tensorboard DIR / --csv DIR: DeepSpeed's monitor sections, job "zeroshard_train"
+            cfg[section] = {**(cfg.get(section) or {}), "enabled": True, "output_path": path,
+                            "job_name": (cfg.get(section) or {}).get("job_name", "zeroshard_train")}
+    if getattr(args, "wandb", None):
+        cfg["wandb"] = {**(cfg.get("wandb") or {}), "enabled": True, "project": args.wandb}
     own = cfg.get("zeroshard") or {}
     if (zero.get("stage") == 3 and unit_classes and "stage3_unit_classes" not in own
             and "stage3_min_unit_params" not in own):
