@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.api.banner import log_step, startup_banner
-from zeroshard.api.gathered import register_engine
+from zeroshard.api.gathered import register_engine, unregister_engine
 from zeroshard.api.surface import EngineSurface, cast_floats
 from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.offload import activations
@@ -285,6 +285,7 @@ class Engine(EngineSurface):
 
     def close(self) -> None:
         """Remove hooks, and destroy the process group if `initialize` created it."""
+        unregister_engine(self)
         self.grads.remove_hooks()
         self.params.remove_hooks()
         self.optimizer.close()  # the nvme tier's files go
