@@ -41,6 +41,7 @@ def startup_banner(run: Assembled, topo: Topology, lr_scheduler: Any) -> list[st
         f"{len(run.buckets)} bucket(s), padding {padding} elements",
         f"  precision: params {p.compute.value}, compute {p.compute.value}, reduce {p.reduce.value}, "
         f"master {p.master.value}, optimizer states {p.optimizer_states.value}; loss scaling {scaling}",
+        f"  optimizer: {run.plan.description}" if run.inference_only else
         f"  optimizer: {run.plan.description} ({kernel} kernel), "
         f"{type(run.optimizer.optimizer).__name__} over fp32 shards; "
         f"scheduler: {type(lr_scheduler).__name__ if lr_scheduler else 'none'}",

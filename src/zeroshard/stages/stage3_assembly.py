@@ -20,7 +20,8 @@ from zeroshard.partition.buffer_pool import BufferPool
 from zeroshard.partition.layout import alignment_for
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import ConfigError, OffloadDevice, Settings
-from zeroshard.stages.stage3 import Stage3Collectives, Unit
+from zeroshard.stages.stage3 import Stage3Collectives
+from zeroshard.stages.unit_state import Unit
 from zeroshard.stages.units import plan_stage3
 
 WHOLE_UNIT = 2**62  # a unit's parameters of one dtype and group form one bucket
