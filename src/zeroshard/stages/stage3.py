@@ -52,18 +52,20 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class Stage3Collectives:
     """What gathers a unit's bucket: `forward` / `backward` for trainable buckets, `*_frozen`
-    for frozen ones (a plain Comm, or qwZ's quantized all-gather), and `hpz`, the comm of this
-    rank's hpZ group (None without hpZ)."""
+    for frozen ones (a plain Comm, or qwZ's quantized all-gather), `hpz`, the comm of this
+    rank's hpZ group (None without hpZ), and `exact`, the plain all-gather of the primary shards
+    that GatheredParameters uses (its values may be edited and written back)."""
 
     forward: AllGather
     backward: AllGather
     forward_frozen: AllGather
     backward_frozen: AllGather
     hpz: AllGather | None = None
+    exact: AllGather | None = None
 
     @staticmethod
     def plain(comm: AllGather) -> "Stage3Collectives":
-        return Stage3Collectives(comm, comm, comm, comm)
+        return Stage3Collectives(comm, comm, comm, comm, exact=comm)
 
 
 class Stage3Runtime:
@@ -168,24 +170,29 @@ class Stage3Runtime:
             self._recording = []
 
     # -- gathering ------------------------------------------------------------------------
-    def gather(self, unit: Unit) -> None:
-        """Make `unit` usable now (collective: every rank must call it in the same order)."""
+    def gather(self, unit: Unit, exact: bool = False) -> None:
+        """Make `unit` usable now (collective: every rank must call it in the same order).
+        `exact`: from the primary shards with a plain all-gather (no qwZ, no hpZ secondary kept),
+        when the unit is released."""
         if unit.state is UnitState.RELEASED:
             self._make_room(unit.numel)
-            self._start(unit)
+            self._start(unit, exact)
         if unit.state is UnitState.GATHERING:
-            hpz = self.collectives.hpz
+            hpz = None if exact else self.collectives.hpz
             for bucket in unit.buckets:
                 full = bucket.finish_gather()
                 if hpz is not None and bucket.secondary is None:
                     bucket.keep_secondary(full, hpz.rank, hpz.world_size)
             unit.move(UnitState.GATHERED)
 
-    def _start(self, unit: Unit) -> None:
+    def _start(self, unit: Unit, exact: bool = False) -> None:
         what = f"unit '{unit.label}' ({self.phase.value})"
         c = self.collectives
         backward = self.phase is Phase.BACKWARD
         for bucket in unit.buckets:
+            if exact and c.exact is not None:
+                bucket.start_gather(c.exact, what + " [exact]")
+                continue
             # hpZ: any later gather of this pass (backward, a prefetch for backward issued at the end
             # of forward, a reused unit) comes from the secondaries, inside the node
             if c.hpz is not None and bucket.secondary is not None:
@@ -307,9 +314,9 @@ class Stage3Runtime:
         units = {self._unit_of_param[id(p)].index for p in params if id(p) in self._unit_of_param}
         return [self.units[i] for i in sorted(units)]
 
-    def pin(self, unit: Unit) -> None:
+    def pin(self, unit: Unit, exact: bool = False) -> None:
         """Gather `unit` (a collective) and keep it so until `unpin` or the end of the pass."""
-        self.gather(unit)
+        self.gather(unit, exact)
         self._pinned.add(unit.index)
 
     def unpin(self, unit: Unit) -> None:

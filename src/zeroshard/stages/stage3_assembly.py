@@ -168,4 +168,5 @@ def stage3_collectives(comm: Comm, settings: Settings) -> Stage3Collectives:
     quant = QuantizedAllGather(comm)
     train = quant if zpp.quantized_weights else comm
     frozen = quant if zpp.quantized_weights or zpp.quantized_nontrainable_weights else comm
-    return Stage3Collectives(forward=train, backward=train, forward_frozen=frozen, backward_frozen=frozen, hpz=hpz)
+    return Stage3Collectives(forward=train, backward=train, forward_frozen=frozen, backward_frozen=frozen, hpz=hpz,
+                             exact=comm)
