@@ -2,8 +2,12 @@
 
 State is explicit: the engine moves `phase` through IDLE -> FORWARD -> IDLE -> BACKWARD
 -> IDLE; each unit is RELEASED, GATHERING (all-gather in flight) or GATHERED, and counts
-its active users (stages/unit_state.py, which also keeps each parameter's `ds_status`). Its hooks go through `stages/hooks.py`, which keeps their handles; each
-bucket owns its full buffer (`UnitBucket.start_gather` / `finish_gather` / `release`).
+its active users (stages/unit_state.py, which also keeps each parameter's `ds_status`). Its
+hooks go through `stages/hooks.py`, kept per unit so that they can be detached and attached
+again (DeepSpeed clients do around generation); each bucket owns its full buffer
+(`UnitBucket.start_gather` / `finish_gather` / `release`). Outside the engine's passes (its
+modules called directly, e.g. by `generate`) a unit is gathered around each forward and
+nothing is recorded.
 
 - forward: a unit's pre-forward hook gathers it (waiting for a prefetch if one is in
   flight) and prefetches the next units of the recorded order; its post-forward hook
