@@ -111,3 +111,41 @@ def test_stage3_inference_engine_refuses_an_input_that_needs_a_gradient():
     with pytest.raises(zeroshard.ConfigError, match="torch.no_grad"):
         engine(x)
     engine.close()
+
+
+# DeepSpeed's reuse defaults: once the order is recorded, units stay gathered from forward to backward
+REUSE = Case(stage=3, optimizer="sgd", steps=2, zero=(("stage3_param_persistence_threshold", 0),))
+
+
+def _empty_cache_worker(rank, world_size):
+    import zeroshard.deepspeed as deepspeed
+
+    with one_group():
+        a, *_ = deepspeed.initialize(model=make_model(REUSE), config=config_for(REUSE, world_size))
+        b, *_ = deepspeed.initialize(model=make_model(REUSE), config=config_for(REUSE, world_size))
+        lo, hi = rank * MICRO, (rank + 1) * MICRO
+
+        def train(step):
+            x, y = batch(REUSE, step, WORLD)
+            for engine in (a, b):
+                engine.backward(loss_of(engine, x[lo:hi], y[lo:hi]))
+                engine.step()
+
+        train(0)  # records the gather order: from now on units are kept from forward to backward
+        at_rest = a.memory_stats()["params"]
+        x, y = batch(REUSE, 5, WORLD)
+        loss_of(a, x[lo:hi], y[lo:hi])  # a forward with grad whose backward never comes
+        held = a.memory_stats()["params"]
+        a.empty_partition_cache()
+        emptied = a.memory_stats()
+        for step in range(1, REUSE.steps + 1):  # training goes on exactly as without the stray forward
+            train(step)
+        sa, sb = a.full_state_dict(), b.full_state_dict()
+    return {"at_rest": at_rest, "held": held, "emptied": emptied, "same": all(torch.equal(sa[k], sb[k]) for k in sa)}
+
+
+def test_empty_partition_cache_releases_units_kept_for_a_backward():
+    for r in run_ranks(_empty_cache_worker, WORLD, timeout=120):
+        assert r["held"] > r["at_rest"], "the forward kept nothing gathered: the test shows nothing"
+        assert r["emptied"]["params"] == r["at_rest"] and r["emptied"]["comm_buffers"] == 0, r
+        assert r["same"]

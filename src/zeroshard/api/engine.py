@@ -218,6 +218,14 @@ class Engine(EngineSurface):
         or None below stage 3."""
         return getattr(self.params, "runtime", None)
 
+    def empty_partition_cache(self) -> None:
+        """Release every stage-3 unit still gathered (a forward whose backward never came keeps its
+        units for it: that backward is then impossible) and the reusable gather buffers, as
+        DeepSpeed's; call it between steps. Below stage 3: only the buffers."""
+        if self.stage3 is not None:
+            self.stage3.release_all()
+        self.pool.clear()
+
     # -- DeepSpeed-style accessors ----------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
         """The caller's word (`set_gradient_accumulation_boundary`) where it gave one, else the

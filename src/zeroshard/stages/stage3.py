@@ -163,6 +163,13 @@ class Stage3Runtime:
     def remove_hooks(self) -> None:
         self.detach_hooks()
 
+    def release_all(self) -> None:
+        """Between passes: release every gathered unit (kept for reuse by a forward whose backward
+        never came, or pinned) and forget that forward (DeepSpeed's `empty_partition_cache`)."""
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError(f"stage 3: units cannot be released during the {self.phase.value} pass")
+        self._finish_pass(record=False)
+
     def trace_invalid(self) -> bool:
         """No recorded gather order to prefetch along (the next step records one)."""
         return not self._trace
