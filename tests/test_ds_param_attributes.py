@@ -60,12 +60,22 @@ def _worker(rank, world_size):
                     not any(id(m) in p.ds_active_sub_modules for p in m.parameters())))
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: check("gradient accumulated"))
+        ema = make_model(CASE)  # OpenRLHF's EMA: a whole copy, updated from the gathered parameters
+        ema_of_full = {n: t.clone() for n, t in engine.full_state_dict().items()}
         for step in range(2):
             x, y = batch(CASE, step, WORLD)
             lo, hi = rank * MICRO, (rank + 1) * MICRO
             engine.backward(loss_of(engine, x[lo:hi], y[lo:hi]))
             engine.step()
             check(f"after step {step}")
+            released = [p for p in model.parameters()
+                        if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            with deepspeed.zero.GatheredParameters(released), torch.no_grad():
+                for mine, p in zip(ema.parameters(), model.parameters()):
+                    mine.mul_(0.9).add_(p.data, alpha=0.1)
+            for n, t in engine.full_state_dict().items():
+                ema_of_full[n].mul_(0.9).add_(t, alpha=0.1)
+        ema_ok = all(torch.allclose(p, ema_of_full[n], rtol=0, atol=1e-7) for n, p in ema.named_parameters())
         norms = (first.get_global_grad_norm(), engine.get_global_grad_norm(), engine.zero_optimization_stage(),
                  isinstance(engine, deepspeed.DeepSpeedEngine))
         params = list(model.parameters())
@@ -74,7 +84,7 @@ def _worker(rank, world_size):
             check("inside GatheredParameters")
             gathered_all = all(p.ds_status is ZeroParamStatus.AVAILABLE for p in params)
         check("after GatheredParameters")
-        return {"norms": norms, "bad": check.bad[:5], "seen": {s.name for s in check.seen}, "active_ok": active_ok,
+        return {"ema_ok": ema_ok, "norms": norms, "bad": check.bad[:5], "seen": {s.name for s in check.seen}, "active_ok": active_ok,
                 "idle_active": [len(p.ds_active_sub_modules) for p in params],
                 "ids": [p.ds_id for p in params], "first_ids": [p.ds_id for p in first.module.parameters()],
                 "shapes": [(tuple(p.ds_shape) == tuple(p.shape), p.ds_numel == p.numel()) for p in params],
@@ -87,6 +97,7 @@ def test_stage3_parameters_show_deepspeeds_attributes_truthfully():
     r0, r1 = run_ranks(_worker, WORLD, timeout=120)
     for r in (r0, r1):
         assert not r["bad"], r["bad"]
+        assert r["ema_ok"], "an EMA over the gathered parameters differs from the EMA of the full ones"
         none, norm, stage, is_engine = r["norms"]  # no step yet: None, as DeepSpeed's
         assert none is None and isinstance(norm, float) and norm > 0 and stage == 3 and is_engine
         # every status occurs: prefetched units are in flight while the current one computes
