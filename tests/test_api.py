@@ -45,8 +45,11 @@ def test_config_file_path_is_accepted(tmp_path):
 
 def test_optimizer_required_once():
     cfg = {"train_micro_batch_size_per_gpu": 2}
+    engine = zeroshard.initialize(FrozenMLP(), cfg)  # no optimizer: an inference-only engine
+    x, y = torch.randn(2, 16), torch.randn(2, 8)
+    loss = engine(x, y)[1]
     with pytest.raises(zeroshard.ConfigError, match="no optimizer"):
-        zeroshard.initialize(FrozenMLP(), cfg)
+        engine.backward(loss)
     with pytest.raises(zeroshard.ConfigError, match="both"):
         zeroshard.initialize(FrozenMLP(), BASE, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 

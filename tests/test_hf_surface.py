@@ -274,7 +274,8 @@ def test_opting_in_outside_the_launcher(tmp_path):
 
 def test_zero_init_parameters_show_deepspeeds_shard_attributes():
     """transformers and DeepSpeed tools read `ds_tensor` / `ds_numel` / `ds_shape`; they follow
-    writes made inside the context and under GatheredParameters, and go at initialize()."""
+    writes made inside the context and under GatheredParameters; at initialize() the engine's own
+    take their place (stage 3: ds_id, ds_status, ds_tensor over the engine's shard)."""
 
     class Model(nn.Module):
         def __init__(self):
@@ -292,8 +293,12 @@ def test_zero_init_parameters_show_deepspeeds_shard_attributes():
         with torch.no_grad():
             w.fill_(2.0)
     assert torch.equal(w.ds_tensor, torch.full((16,), 2.0))
+    init_shard = w.ds_tensor
     deepspeed.initialize(model=model, config=config)
-    assert not hasattr(w, "ds_tensor")
+    from zeroshard.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    assert w.ds_tensor is not init_shard and torch.equal(w.ds_tensor, torch.full((16,), 2.0))
+    assert w.ds_status is ZeroParamStatus.AVAILABLE and w.ds_persist and isinstance(w.ds_id, int)  # 16 elements: kept whole
 
 
 def test_runtime_utils_helpers(caplog):

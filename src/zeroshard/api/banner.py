@@ -54,6 +54,7 @@ def startup_banner(run: Assembled, topo: Topology, lr_scheduler: Any) -> list[st
         f"{len(run.buckets)} bucket(s), padding {padding} elements",
         f"  precision: params {p.compute.value}, compute {p.compute.value}, reduce {p.reduce.value}, "
         f"master {p.master.value}, optimizer states {p.optimizer_states.value}; loss scaling {scaling}",
+        f"  optimizer: {run.plan.description}" if run.inference_only else
         f"  optimizer: {run.plan.description} ({kernel} kernel), "
         f"{type(run.optimizer.optimizer).__name__} over fp32 shards; "
         f"scheduler: {type(lr_scheduler).__name__ if lr_scheduler else 'none'}",
@@ -101,8 +102,10 @@ def startup_summary(run: Assembled, topo: Topology, lr_scheduler: Any, memory: d
     lines = [
         f"zeroshard: ZeRO stage {int(z.stage)} on {topo.world_size} rank(s) ({topo.backend}, {topo.device.type}), "
         f"{_elements(phi)} trainable + {_elements(frozen)} frozen parameters",
-        f"  precision {p.compute.value}{master}, loss scaling {scaling}; {type(run.optimizer.optimizer).__name__} "
-        f"({kernel}), scheduler {type(lr_scheduler).__name__ if lr_scheduler else 'none'}; clipping {clip}",
+        f"  precision {p.compute.value}{master}, loss scaling {scaling}; " + (
+            "optimizer none (inference only)" if run.inference_only else
+            f"{type(run.optimizer.optimizer).__name__} ({kernel}), scheduler "
+            f"{type(lr_scheduler).__name__ if lr_scheduler else 'none'}; clipping {clip}"),
         f"  batch {b.train_batch_size} = micro {b.micro_batch_size} x accumulation {b.gradient_accumulation_steps} "
         f"x ranks {topo.world_size}; offload: optimizer {z.offload_optimizer.device.value}, parameters "
         f"{z.offload_param.device.value}",

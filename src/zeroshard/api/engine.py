@@ -25,19 +25,19 @@ import torch
 from torch import nn
 
 from zeroshard.api.banner import log_startup, log_step
+from zeroshard.api.gathered import register_engine, unregister_engine
+from zeroshard.api.surface import EngineSurface, cast_floats, needs_grad
+from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.monitor import open_monitors
 from zeroshard.monitor.flops import open_flops_profiler
-from zeroshard.api.gathered import register_engine
-from zeroshard.api.surface import EngineSurface, cast_floats
-from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.offload import activations
 from zeroshard.optim.clipping import clip_coefficient, global_grad_norm, nonfinite_parameters, square_norm
 from zeroshard.optim.loss_scaler import make_loss_scaler
 from zeroshard.optim.schedulers import make_scheduler
-from zeroshard.optim.template import OptimizerArg
+from zeroshard.optim.template import NO_OPTIMIZER, OptimizerArg
 from zeroshard.partition import MemoryLedger
 from zeroshard.partition.buffer_pool import BufferPool
-from zeroshard.policies import Settings
+from zeroshard.policies import ConfigError, Settings
 from zeroshard.stages.build import assemble
 from zeroshard.stages.state_dict import full_state_dict
 from zeroshard.stages.train_state import TrainState
@@ -74,6 +74,7 @@ class Engine(EngineSurface):
         self.grads, self.params, self.optimizer = run.grads, run.params, run.optimizer
         self.units, self.unit_rule, self.param_tiers = run.units, run.unit_rule, run.param_tiers
         self.step_early, self.step_mode, self.heap_trim = run.step_early, run.step_mode, run.heap_trim
+        self.inference_only = run.inference_only  # built without an optimizer: forward only
         self.lr_scheduler = make_scheduler(lr_scheduler, optimizer, self.optimizer.optimizer, settings.scheduler)
         self.loss_scaler = make_loss_scaler(settings.precision.loss_scale)
         self.train_state = TrainState(self.module, settings, self.comm, self.buckets, self.frozen_buckets,
@@ -110,6 +111,12 @@ class Engine(EngineSurface):
         if self.settings.runtime.cast_forward_inputs and self.compute_dtype != torch.float32:
             args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
         started = time.perf_counter()
+        # an inference-only engine's parameters are frozen and it never runs a backward of its own:
+        # at stage 3 nothing would gather its units for a backward through it to its inputs
+        if self.inference_only and self.units and torch.is_grad_enabled() and needs_grad((args, kwargs)):
+            raise ConfigError("an input of this engine's forward requires a gradient, but the engine has no "
+                              "optimizer (inference only) and at stage 3 serves no backward: run it under "
+                              "torch.no_grad(), detach the input, or give initialize() an optimizer")
         if self.flops_profiler:
             self.flops_profiler.begin_forward(self.global_steps, args, kwargs)
         self.params.begin_forward()
@@ -125,6 +132,8 @@ class Engine(EngineSurface):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss` (scaled for fp16 and, unless `scale_wrt_gas=False`, divided by the
         accumulation steps); gradient reductions run inside, overlapping backward where the stage allows."""
+        if self.inference_only:
+            raise ConfigError(NO_OPTIMIZER)
         self.comm.where = f"step {self.global_steps}, backward (micro-step {self.micro_steps})"
         gas = self.settings.batch.gradient_accumulation_steps
         started = time.perf_counter()
@@ -166,6 +175,8 @@ class Engine(EngineSurface):
 
     def step(self) -> None:
         """At the accumulation boundary: clip, step the sharded optimizer, publish parameters."""
+        if self.inference_only:
+            raise ConfigError(NO_OPTIMIZER)
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
@@ -213,6 +224,20 @@ class Engine(EngineSurface):
         shards = [self.grads.grad_shard(b) for b in range(len(self.buckets))]
         known = self._early_squares if self._stepping_early else None
         return global_grad_norm(shards, self.comm, self.grads.partitioned, known)
+
+    @property
+    def stage3(self):
+        """Stage 3's runtime (`stages.stage3.Stage3Runtime`: units, their hooks, the gather order),
+        or None below stage 3."""
+        return getattr(self.params, "runtime", None)
+
+    def empty_partition_cache(self) -> None:
+        """Release every stage-3 unit still gathered (a forward whose backward never came keeps its
+        units for it: that backward is then impossible) and the reusable gather buffers, as
+        DeepSpeed's; call it between steps. Below stage 3: only the buffers."""
+        if self.stage3 is not None:
+            self.stage3.release_all()
+        self.pool.clear()
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -298,6 +323,7 @@ class Engine(EngineSurface):
 
     def close(self) -> None:
         """Remove hooks, and destroy the process group if `initialize` created it."""
+        unregister_engine(self)
         self.grads.remove_hooks()
         self.params.remove_hooks()
         self.optimizer.close()  # the nvme tier's files go

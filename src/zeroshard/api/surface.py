@@ -103,3 +103,14 @@ def cast_floats(obj, dtype: torch.dtype):
     if isinstance(obj, dict):
         return {k: cast_floats(v, dtype) for k, v in obj.items()}
     return obj
+
+
+def needs_grad(obj) -> bool:
+    """Whether any tensor in `obj` (in lists, tuples and dicts) requires a gradient."""
+    if torch.is_tensor(obj):
+        return obj.requires_grad
+    if isinstance(obj, (list, tuple)):
+        return any(needs_grad(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(needs_grad(o) for o in obj.values())
+    return False

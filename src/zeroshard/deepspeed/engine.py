@@ -23,6 +23,7 @@ from zeroshard.checkpoint.format import LATEST, META, OLD_PREFIX
 from zeroshard.checkpoint.reader import resolve
 from zeroshard.deepspeed import comm
 from zeroshard.deepspeed.config import unsupported
+from zeroshard.deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from zeroshard.policies import ConfigError, Precision, Stage
 
 log = logging.getLogger("zeroshard")
@@ -53,6 +54,8 @@ class DeepSpeedEngine(nn.Module):
         object.__setattr__(self, "_step_applied", False)
         object.__setattr__(self, "_config", dict(config or {}))
         engine.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped
+        if engine.stage3 is not None:  # stage 3's hooks, as RLHF libraries reach them
+            engine.optimizer.parameter_offload = DeepSpeedZeRoOffload(engine)
         _LIVE.add(self)
 
     def __getattr__(self, name: str) -> Any:  # only for names not found the normal way

@@ -82,8 +82,11 @@ class Init(zeroshard.Init):
 
 
 def forget_ds_attributes(model) -> None:
-    """The engine holds the shards now: the Init-time `ds_*` attributes would be stale."""
+    """The engine holds the shards now: the Init-time `ds_*` attributes would be stale. At
+    stage 3 the engine gave every parameter its own (`ds_id` among them), kept true by it."""
     for param in model.parameters():
+        if hasattr(param, "ds_id"):
+            continue
         for attr in ("ds_tensor", "ds_numel", "ds_shape"):
             if attr in param.__dict__:
                 delattr(param, attr)

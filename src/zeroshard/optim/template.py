@@ -21,6 +21,25 @@ from zeroshard.policies import ConfigError, OptimizerSpec
 OptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
 
+INFERENCE_ONLY = "none (inference only: no gradients, no fp32 masters, no optimizer states)"
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """What an engine built without an optimizer holds: no parameters, nothing to step."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        super().__init__(groups, {})
+
+    def step(self, closure=None) -> None:
+        raise ConfigError(NO_OPTIMIZER)
+
+
+NO_OPTIMIZER = ("no optimizer: this engine was built without one (inference only, e.g. a reference or reward "
+                "model: its parameters are frozen and hold no gradients); to train it add an 'optimizer' "
+                'section to the config (e.g. {"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer= to '
+                "initialize().")
+
+
 @dataclass
 class OptimizerPlan:
     group_of: dict[int, int]  # id(param) -> param group index
@@ -58,6 +77,8 @@ def plan_optimizer(arg: OptimizerArg, spec: OptimizerSpec | None, params: list[n
         raise ConfigError("an optimizer was given both in the config ('optimizer' section) and to initialize(); "
                           "remove one of them.")
     if arg is None:
+        if spec is None and not params:  # an inference-only engine (a reference or reward model)
+            return OptimizerPlan({}, [{}], NoOptimizer, INFERENCE_ONLY)
         if spec is None:
             raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. "
                               '{"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer= to initialize().')

@@ -39,8 +39,10 @@ from zeroshard.stages.gradients import (
     PartitionedGradients,
     ScatteredGradients,
 )
+from zeroshard.stages.param_status import ParamStatus, label_bucket, label_whole
 from zeroshard.stages.params import ParamPublisher, ParamStrategy, PartitionedParams, ReplicatedParams
-from zeroshard.stages.stage3 import Stage3Runtime, Unit
+from zeroshard.stages.stage3 import Stage3Runtime
+from zeroshard.stages.unit_state import Unit
 from zeroshard.stages.stage3_assembly import build_stage3, stage3_collectives
 
 
@@ -62,6 +64,7 @@ class Assembled:
     host_threads: str  # the host step's threads ("" when no optimizer state is on the host)
     heap_trim: HeapTrim
     nvme_lines: list[str]  # NVMe space checks, self-tests and knobs
+    inference_only: bool = False  # built without an optimizer: every parameter frozen
 
 
 def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLedger, pool: BufferPool,
@@ -70,6 +73,10 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     sharded optimizer over them. Collective: every rank calls it with the same model."""
     topology = comm.topology
     stage3 = settings.zero.stage == Stage.PARAMETERS
+    inference_only = optimizer is None and settings.optimizer is None
+    if inference_only:  # a reference or reward model: no gradients, no masters, no optimizer states
+        for p in module.parameters():
+            p.requires_grad_(False)
     if not stage3:
         module.to(topology.device)  # stage 3 moves one unit at a time
     parts = split_parameters(module)
@@ -95,6 +102,10 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     publisher = ParamPublisher(buckets, comm, zero.allgather_bucket_size)
     if stage3:
         runtime = Stage3Runtime(units, zero.stage3, s3.external_users, stage3_collectives(comm, settings))
+        for b in sorted(s3.persistent):  # units' parameters are labelled by their Unit
+            label_bucket(buckets[b], ParamStatus.AVAILABLE, persist=True)
+        in_units = {id(p) for bucket in frozen for p in bucket.params}
+        label_whole(p for p in parts.frozen if id(p) not in in_units)  # frozen and kept whole
         params: ParamStrategy = PartitionedParams(runtime, publisher, s3.persistent)
     else:
         params = ReplicatedParams(publisher if grads.publishes_params else None)
@@ -115,7 +126,7 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     host_in_use = topology.device.type == "cpu" or on_host or zero.offload_param.device is not OffloadDevice.NONE
     return Assembled(settings, parts, plan, buckets, frozen, grads, params, sharded_optimizer, units, unit_rule,
                      param_tiers, step_early, step_mode, host_threads,
-                     HeapTrim(settings.runtime.trim_host_memory, host_in_use), nvme_lines)
+                     HeapTrim(settings.runtime.trim_host_memory, host_in_use), nvme_lines, inference_only)
 
 
 def _early_masters(offload, settings: Settings, plan: OptimizerPlan, sharers: int):

@@ -16,6 +16,8 @@ what runs when (and what `close()` must undo) can be read here:
   anywhere (global, for `zeroshard.Init`).
 
 Handles are kept by the `Hooks` object that registered them; `remove()` undoes them all.
+`Handle` is what other code receives to undo something the runtime decides (a stage-3 unit's
+hooks, which DeepSpeed clients remove around generation and add back after).
 """
 
 from __future__ import annotations
@@ -38,10 +40,26 @@ class Hooks:
         self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         self._handles.append(module.register_forward_hook(lambda m, args, out: after(m, out)))
 
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class Handle:
+    """`remove()` runs `undo` (once, as torch's RemovableHandle)."""
+
+    def __init__(self, undo: Callable[[], None]) -> None:
+        self._undo: Callable[[], None] | None = undo
+
+    def remove(self) -> None:
+        if self._undo is not None:
+            undo, self._undo = self._undo, None
+            undo()
 
 
 def when_grad_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:

@@ -109,10 +109,11 @@ class PartitionedParams:
 
     @contextlib.contextmanager
     def gathered(self, params: list[nn.Parameter]) -> Iterator[None]:
-        """The units holding `params` gathered and kept until the block ends (a collective)."""
+        """The units holding `params` gathered and kept until the block ends (a collective); a
+        released unit is gathered exactly (never quantized: its values may be written back)."""
         units = self.runtime.units_of(params)
         for unit in units:
-            self.runtime.pin(unit)
+            self.runtime.pin(unit, exact=True)
         try:
             yield
         finally:

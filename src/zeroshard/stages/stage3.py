@@ -2,8 +2,12 @@
 
 State is explicit: the engine moves `phase` through IDLE -> FORWARD -> IDLE -> BACKWARD
 -> IDLE; each unit is RELEASED, GATHERING (all-gather in flight) or GATHERED, and counts
-its active users. Its hooks go through `stages/hooks.py`, which keeps their handles; each
-bucket owns its full buffer (`UnitBucket.start_gather` / `finish_gather` / `release`).
+its active users (stages/unit_state.py, which also keeps each parameter's `ds_status`). Its
+hooks go through `stages/hooks.py`, kept per unit so that they can be detached and attached
+again (DeepSpeed clients do around generation); each bucket owns its full buffer
+(`UnitBucket.start_gather` / `finish_gather` / `release`). Outside the engine's passes (its
+modules called directly, e.g. by `generate`) a unit is gathered around each forward and
+nothing is recorded.
 
 - forward: a unit's pre-forward hook gathers it (waiting for a prefetch if one is in
   flight) and prefetches the next units of the recorded order; its post-forward hook
@@ -30,14 +34,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import Stage3Policy
-from zeroshard.stages.hooks import Hooks, after_inputs_grad, when_grad_reaches
-from zeroshard.stages.zero_linear import linear
+from zeroshard.stages.hooks import Handle, Hooks, after_inputs_grad, when_grad_reaches
+from zeroshard.stages.unit_state import Unit, UnitState
+from zeroshard.stages.outside_reads import OutsideReads
 
 if TYPE_CHECKING:
     from zeroshard.comm import AllGather
@@ -51,62 +53,23 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-class UnitState(enum.Enum):
-    RELEASED = "released"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
-
-# The only moves a unit makes. GATHERING -> RELEASED drops a prefetch nobody used (after its
-# all-gather finished: a collective is never abandoned half-way).
-_MOVES = {(UnitState.RELEASED, UnitState.GATHERING), (UnitState.GATHERING, UnitState.GATHERED),
-          (UnitState.GATHERED, UnitState.RELEASED), (UnitState.GATHERING, UnitState.RELEASED)}
-
-
-@dataclass
-class Unit:
-    index: int
-    name: str
-    module: nn.Module
-    buckets: list[UnitBucket]
-    state: UnitState = UnitState.RELEASED
-    users: int = 0
-
-    @property
-    def numel(self) -> int:
-        return sum(b.layout.padded_numel for b in self.buckets)
-
-    @property
-    def label(self) -> str:
-        return self.name or "<root>"
-
-    def move(self, to: UnitState) -> None:
-        """The one place a unit's state changes; its buckets' storage must agree with it."""
-        if (self.state, to) not in _MOVES:
-            raise RuntimeError(f"stage 3: unit '{self.label}' cannot go from {self.state.value} to {to.value}; "
-                               "this is a zeroshard bug, please report it")
-        full = [b.data is not None for b in self.buckets]
-        if to is UnitState.GATHERED and not all(full) or to is UnitState.RELEASED and any(full):
-            raise RuntimeError(f"stage 3: unit '{self.label}' is {to.value} but its buckets say otherwise; "
-                               "this is a zeroshard bug, please report it")
-        self.state = to
-
-
 @dataclass(frozen=True)
 class Stage3Collectives:
     """What gathers a unit's bucket: `forward` / `backward` for trainable buckets, `*_frozen`
-    for frozen ones (a plain Comm, or qwZ's quantized all-gather), and `hpz`, the comm of this
-    rank's hpZ group (None without hpZ)."""
+    for frozen ones (a plain Comm, or qwZ's quantized all-gather), `hpz`, the comm of this
+    rank's hpZ group (None without hpZ), and `exact`, the plain all-gather of the primary shards
+    that GatheredParameters uses (its values may be edited and written back)."""
 
     forward: AllGather
     backward: AllGather
     forward_frozen: AllGather
     backward_frozen: AllGather
     hpz: AllGather | None = None
+    exact: AllGather | None = None
 
     @staticmethod
     def plain(comm: AllGather) -> "Stage3Collectives":
-        return Stage3Collectives(comm, comm, comm, comm)
+        return Stage3Collectives(comm, comm, comm, comm, exact=comm)
 
 
 class Stage3Runtime:
@@ -118,16 +81,16 @@ class Stage3Runtime:
         self._recording: list[int] = []
         self._on_trace = False  # the step so far follows the record: prefetch is safe
         self._backward_pending = False  # a forward with grad ran; its backward has not
-        self._hooks = Hooks()
-        for unit in units:
-            self._register(unit.module, unit)
-            for module in external_users.get(unit.index, []):
-                self._register(module, unit)
+        # each unit's hooks, on its module and on the modules outside it that read its parameters
+        self._users = {u.index: [u.module, *external_users.get(u.index, [])] for u in units}
+        self._hooks = {u.index: Hooks() for u in units}
+        self._backward_off: set[int] = set()  # units whose backward hooks are detached
+        self.attach_hooks()
         self._unit_of_param = {id(p): u for u in units for b in u.buckets for p in b.params}
         self._active: list[nn.Module] = []  # modules in forward, innermost last
         self._pinned: set[int] = set()  # units adopted by an outside read: kept until the pass ends
         self._external = {(id(m), u.index) for u in units for m in external_users.get(u.index, [])}
-        self._reads = _OutsideReads(self)
+        self._reads = OutsideReads(self)
 
     # -- phases, driven by the engine -------------------------------------------------
     def begin_forward(self) -> None:
@@ -159,6 +122,7 @@ class Stage3Runtime:
         self._pinned.clear()
         for unit in self.units:
             unit.users = 0
+            unit.active.clear()
             self._release(unit)
             if self.collectives.hpz is not None:  # the secondaries serve one pass only
                 for bucket in unit.buckets:
@@ -171,28 +135,75 @@ class Stage3Runtime:
         self._backward_pending = False
         self.phase = Phase.IDLE
 
+    # -- hooks: attached or detached per unit (DeepSpeed clients detach them around generation) --
+    def hooks_attached(self, unit: Unit) -> bool:
+        return self._hooks[unit.index].attached
+
+    def attach_hooks(self, units: list[Unit] | None = None) -> None:
+        """(Re-)attach the forward and backward hooks of `units` (all by default)."""
+        for unit in self.units if units is None else units:
+            self._backward_off.discard(unit.index)
+            if not self._hooks[unit.index].attached:
+                for module in self._users[unit.index]:
+                    self._register(module, unit)
+
+    def detach_hooks(self, units: list[Unit] | None = None, backward_only: bool = False) -> None:
+        """Detach the hooks of `units`: with `backward_only`, only what makes a forward prepare
+        the unit's backward (its regathering and release); else its module hooks too, so that a
+        forward of its modules gathers nothing."""
+        for unit in self.units if units is None else units:
+            self._backward_off.add(unit.index)
+            if not backward_only:
+                self._hooks[unit.index].remove()
+
+    def hook_handle(self, unit: Unit, backward: bool = False) -> Handle:
+        """A handle whose `remove()` detaches the unit's forward (or only its backward) hooks."""
+        return Handle(lambda: self.detach_hooks([unit], backward_only=backward))
+
     def remove_hooks(self) -> None:
-        self._hooks.remove()
+        self.detach_hooks()
+
+    def release_all(self) -> None:
+        """Between passes: release every gathered unit (kept for reuse by a forward whose backward
+        never came, or pinned) and forget that forward (DeepSpeed's `empty_partition_cache`)."""
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError(f"stage 3: units cannot be released during the {self.phase.value} pass")
+        self._finish_pass(record=False)
+
+    def trace_invalid(self) -> bool:
+        """No recorded gather order to prefetch along (the next step records one)."""
+        return not self._trace
+
+    def invalidate_trace(self) -> None:
+        """Forget the recorded order (and what is being recorded, between passes)."""
+        self._trace, self._on_trace = [], False
+        if self.phase is Phase.IDLE and not self._backward_pending:
+            self._recording = []
 
     # -- gathering ------------------------------------------------------------------------
-    def gather(self, unit: Unit) -> None:
-        """Make `unit` usable now (collective: every rank must call it in the same order)."""
+    def gather(self, unit: Unit, exact: bool = False) -> None:
+        """Make `unit` usable now (collective: every rank must call it in the same order).
+        `exact`: from the primary shards with a plain all-gather (no qwZ, no hpZ secondary kept),
+        when the unit is released."""
         if unit.state is UnitState.RELEASED:
             self._make_room(unit.numel)
-            self._start(unit)
+            self._start(unit, exact)
         if unit.state is UnitState.GATHERING:
-            hpz = self.collectives.hpz
+            hpz = None if exact else self.collectives.hpz
             for bucket in unit.buckets:
                 full = bucket.finish_gather()
                 if hpz is not None and bucket.secondary is None:
                     bucket.keep_secondary(full, hpz.rank, hpz.world_size)
             unit.move(UnitState.GATHERED)
 
-    def _start(self, unit: Unit) -> None:
+    def _start(self, unit: Unit, exact: bool = False) -> None:
         what = f"unit '{unit.label}' ({self.phase.value})"
         c = self.collectives
         backward = self.phase is Phase.BACKWARD
         for bucket in unit.buckets:
+            if exact and c.exact is not None:
+                bucket.start_gather(c.exact, what + " [exact]")
+                continue
             # hpZ: any later gather of this pass (backward, a prefetch for backward issued at the end
             # of forward, a reused unit) comes from the secondaries, inside the node
             if c.hpz is not None and bucket.secondary is not None:
@@ -223,7 +234,11 @@ class Stage3Runtime:
                 self._release(unit)
 
     def _use(self, unit: Unit) -> None:
-        """A unit is about to compute: record it, gather it, prefetch what follows it."""
+        """A unit is about to compute: record it, gather it, prefetch what follows it. Outside
+        the engine's passes (its modules called directly, e.g. to generate) it is only gathered."""
+        if self.phase is Phase.IDLE:
+            self.gather(unit)
+            return
         position = len(self._recording)
         self._recording.append(unit.index)
         if self._on_trace and (position >= len(self._trace) or self._trace[position] != unit.index):
@@ -247,7 +262,7 @@ class Stage3Runtime:
 
     def _reused_soon(self, unit: Unit) -> bool:
         """Will the recorded order use `unit` again within max_reuse_distance elements?"""
-        if not self._on_trace or not torch.is_grad_enabled():
+        if not self._on_trace or not torch.is_grad_enabled() or self.phase is Phase.IDLE:
             return False
         distance = 0
         for index in self._trace[len(self._recording):]:
@@ -259,14 +274,15 @@ class Stage3Runtime:
 
     # -- hooks ------------------------------------------------------------------------------
     def _register(self, module: nn.Module, unit: Unit) -> None:
-        self._hooks.around_forward(module, lambda m, args, kwargs: self._pre_forward(m, unit, args, kwargs),
+        self._hooks[unit.index].around_forward(module, lambda m, args, kwargs: self._pre_forward(m, unit, args, kwargs),
                                    lambda m, out: self._post_forward(m, unit, out))
 
     def _pre_forward(self, module: nn.Module, unit: Unit, args, kwargs):
         self._active.append(module)
         unit.users += 1
+        unit.active.add(id(module))
         self._use(unit)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or unit.index in self._backward_off:
             return None
         # route the inputs through an identity whose backward tells when this unit's backward is over
         flat = [(i, None, a) for i, a in enumerate(args)] + [(None, k, v) for k, v in kwargs.items()]
@@ -291,19 +307,27 @@ class Stage3Runtime:
         self.pin(unit)
         if reader is not None and (id(reader), unit.index) not in self._external:
             self._external.add((id(reader), unit.index))
+            self._users[unit.index].append(reader)
             self._register(reader, unit)
             unit.users += 1  # the post-forward hook just registered will run for this call
+            unit.active.add(id(reader))
             self._active.append(reader)  # ... and pop this entry
             log.info("stage 3: unit '%s' is read inside the forward of %s; it is now gathered with it",
                      unit.label, type(reader).__name__)
+
+    def external_params(self, module: nn.Module) -> list[nn.Parameter]:
+        """Parameters of units `module` is an outside user of (read in its forward, not its own)."""
+        own = {id(p) for p in module.parameters(recurse=False)}
+        return [p for u in self.units if (id(module), u.index) in self._external
+                for b in u.buckets for p in b.params if id(p) not in own]
 
     def units_of(self, params) -> list[Unit]:
         units = {self._unit_of_param[id(p)].index for p in params if id(p) in self._unit_of_param}
         return [self.units[i] for i in sorted(units)]
 
-    def pin(self, unit: Unit) -> None:
+    def pin(self, unit: Unit, exact: bool = False) -> None:
         """Gather `unit` (a collective) and keep it so until `unpin` or the end of the pass."""
-        self.gather(unit)
+        self.gather(unit, exact)
         self._pinned.add(unit.index)
 
     def unpin(self, unit: Unit) -> None:
@@ -329,7 +353,8 @@ class Stage3Runtime:
         if self._active and self._active[-1] is module:
             self._active.pop()
         unit.users -= 1
-        if torch.is_grad_enabled():
+        unit.active.discard(id(module))
+        if torch.is_grad_enabled() and unit.index not in self._backward_off:
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if tensors:
                 when_grad_reaches(tensors, lambda: self._pre_backward(unit))
@@ -352,35 +377,6 @@ class Stage3Runtime:
             # its parameters released, so the next unit's gather never overlaps them
             if self._on_trace:
                 self._prefetch(len(self._recording))
-
-
-_ACCESSORS = {"__get__", "__set__", "__delete__"}
-
-
-class _OutsideReads(TorchFunctionMode):
-    """While a stage-3 forward runs: any op handed a parameter whose unit is released gets the
-    unit gathered first (see `Stage3Runtime.adopt`). One identity lookup per tensor argument.
-    `F.linear` on a managed weight is stage 3's linear (stages/zero_linear.py)."""
-
-    def __init__(self, runtime: Stage3Runtime) -> None:
-        super().__init__()
-        self.runtime = runtime
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        # attribute access (.data, .shape, .grad, ...) reads no values; the runtime's own
-        # rebinding of `param.data` passes through here too
-        if getattr(func, "__name__", "") in _ACCESSORS:
-            return func(*args, **kwargs)
-        for arg in (*args, *kwargs.values()):
-            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-                if isinstance(t, nn.Parameter) and self.runtime.is_released(t):
-                    self.runtime.adopt(t)
-        if func is F.linear and self.runtime.policy.memory_efficient_linear:
-            out = linear(args, kwargs, self.runtime.manages, self.runtime.gathered_for_backward)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
 
 
 def _tensors(obj):

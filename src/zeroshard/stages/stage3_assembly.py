@@ -20,7 +20,8 @@ from zeroshard.partition.buffer_pool import BufferPool
 from zeroshard.partition.layout import alignment_for
 from zeroshard.partition.unit_bucket import UnitBucket
 from zeroshard.policies import ConfigError, OffloadDevice, Settings
-from zeroshard.stages.stage3 import Stage3Collectives, Unit
+from zeroshard.stages.stage3 import Stage3Collectives
+from zeroshard.stages.unit_state import Unit
 from zeroshard.stages.units import plan_stage3
 
 WHOLE_UNIT = 2**62  # a unit's parameters of one dtype and group form one bucket
@@ -167,4 +168,5 @@ def stage3_collectives(comm: Comm, settings: Settings) -> Stage3Collectives:
     quant = QuantizedAllGather(comm)
     train = quant if zpp.quantized_weights else comm
     frozen = quant if zpp.quantized_weights or zpp.quantized_nontrainable_weights else comm
-    return Stage3Collectives(forward=train, backward=train, forward_frozen=frozen, backward_frozen=frozen, hpz=hpz)
+    return Stage3Collectives(forward=train, backward=train, forward_frozen=frozen, backward_frozen=frozen, hpz=hpz,
+                             exact=comm)

@@ -7,6 +7,9 @@ Around the build it swaps `zero_wrapper_for_fp_tensor_constructor` to keep `torc
 dtype; zeroshard's Init wraps no tensor constructor (the model is built in the default dtype
 and cast by `initialize`), so the swap changes nothing, and the helper here does what
 DeepSpeed's does for anyone who calls it.
+
+`ZeroParamStatus` is zeroshard's `ParamStatus` (DeepSpeed's names and values): at stage 3 every
+parameter's `ds_status` holds one, kept true by the unit state machine (stages/param_status.py).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 
 from zeroshard.deepspeed.accelerator import get_accelerator
 from zeroshard.deepspeed.zero import GatheredParameters, Init, register_external_parameter
+from zeroshard.stages.param_status import ParamStatus as ZeroParamStatus
 
-__all__ = ["GatheredParameters", "Init", "get_accelerator", "register_external_parameter",
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
            "zero_wrapper_for_fp_tensor_constructor"]
 
 _orig_torch_arange = torch.arange
