@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 from zeroshard.config.fields import (
     Bool, Int, NonNegInt, NonNegReal, PosInt, PosReal, Section, Text, check_free_params,
 )
+from zeroshard.config.foreign import ROOT_FIELDS
 from zeroshard.config.suggest import did_you_mean
 from zeroshard.config.names import KNOWN_OPTIMIZERS, KNOWN_SCHEDULERS
 from zeroshard.config.zero_schema import ZeroConfig
@@ -259,8 +260,13 @@ class ZeroShardConfig(Section):
     activation_offload: ActivationOffloadConfig | None = None
 
 
-class RootConfig(Section):
-    """The whole file, after the loader's rewrites (aliases, legacy forms, "auto")."""
+# DeepSpeed's blocks of features zeroshard does not build (judged in foreign.py).
+_ForeignBlocks = create_model("_ForeignBlocks", __base__=Section, **ROOT_FIELDS)
+
+
+class RootConfig(_ForeignBlocks):
+    """The whole file, after the loader's rewrites (aliases, legacy forms, "auto") and with the
+    top-level keys DeepSpeed ignores removed (`foreign.triage_top_level`)."""
 
     spellings = ("bfloat16",)
 
@@ -297,7 +303,6 @@ class RootConfig(Section):
     flops_profiler: FlopsProfilerConfig | None = None
     autotuning: AutotuningConfig | None = None
     compile: CompileConfig | None = None
-    tensor_parallel: dict[str, Any] | None = None
     dataloader_drop_last: Bool = False
     log_level: Text | None = None
     dump_state: Bool = False

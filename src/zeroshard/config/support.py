@@ -24,6 +24,7 @@ from importlib import metadata
 from typing import Any, Callable
 
 from zeroshard.config.fields import shown
+from zeroshard.config.foreign import inert_notes, refusals
 from zeroshard.config.names import BUILT_OPTIMIZERS, BUILT_SCHEDULERS
 from zeroshard.config.schema import RootConfig
 from zeroshard.policies import ConfigError, NotSupportedYetError
@@ -89,7 +90,6 @@ GAPS: tuple[Gap, ...] = (
         "false"),
     Gap("compile.enabled", lambda c: _when(bool(c.compile and c.compile.enabled)), "false"),
     Gap("compile.deepcompile", lambda c: _when(bool(c.compile and c.compile.deepcompile)), "false"),
-    Gap("tensor_parallel", lambda c: _when(bool(c.tensor_parallel), "{...}"), "nothing (remove the block)"),
     Gap("optimizer.type", lambda c: _unbuilt(c.optimizer, BUILT_OPTIMIZERS, str.lower),
         "one of " + ", ".join(BUILT_OPTIMIZERS)),
     Gap("scheduler.type", lambda c: _unbuilt(c.scheduler, BUILT_SCHEDULERS), "one of " + ", ".join(BUILT_SCHEDULERS)),
@@ -131,6 +131,7 @@ def check_support(config: RootConfig) -> list[str]:
             continue
         errors.append(f"{gap.path} = {shown(value)}: not supported yet by zeroshard {version()}; "
                       f"remove it or set it to {gap.fix}")
+    errors += refusals(config, version())
     if errors:
         raise NotSupportedYetError("\n".join(errors))
     zeropp = _zeropp_in_use(config)
@@ -196,4 +197,4 @@ def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
 
 def ignored_notes(config: RootConfig) -> list[str]:
     """Notes for accepted keys that zeroshard does not act on."""
-    return ["ignored: " + text for hit, text in _ignored_checks(config) if hit]
+    return ["ignored: " + text for hit, text in _ignored_checks(config) if hit] + inert_notes(config)
