@@ -162,3 +162,37 @@ def test_notes_reach_the_start_up_banner(caplog):
     text = caplog.text
     assert "note: ignored: unknown top-level key '_comment'" in text
     assert "note: ignored: tensor_parallel (" in text and "note: ignored: dotted top-level key(s)" in text
+
+
+# ------------------------------------------------------------------ fp16.auto_cast
+
+def test_fp16_auto_cast_casts_forward_inputs_as_deepspeed():
+    """DeepSpeed's fp16.auto_cast casts floating forward inputs to fp16 (engine._cast_inputs_half):
+    zeroshard's cast_forward_inputs, switched on by it even where the zeroshard block left it out."""
+    import torch
+
+    import zeroshard
+
+    assert load_config({"fp16": {"enabled": True, "auto_cast": True}, "zeroshard": {"comm_timeout_s": 9}},
+                       1).runtime.cast_forward_inputs
+    with pytest.raises(ConfigError, match="fp16.auto_cast = true .* zeroshard.cast_forward_inputs = false"):
+        load_config({"fp16": {"enabled": True, "auto_cast": True}, "zeroshard": {"cast_forward_inputs": False}}, 1)
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+            self.seen = []
+
+        def forward(self, x, scale):
+            self.seen.append((x.dtype, scale.dtype))
+            return self.lin(x).float().sum() * scale.float()
+
+    model = Probe()
+    engine = zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+                                          "fp16": {"enabled": True, "auto_cast": True},
+                                          "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.backward(engine(torch.randn(3, 4), torch.tensor(2.0)))
+    engine.step()
+    assert model.seen == [(torch.float16, torch.float16)]
+    engine.close()

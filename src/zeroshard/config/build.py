@@ -15,7 +15,8 @@ from typing import Any
 from zeroshard.config.schema import RootConfig
 from zeroshard.config.zero_schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from zeroshard.policies import (
-    ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, LossScalePolicy, OffloadDevice, OffloadPolicy,
+    ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, GradientReducePolicy,
+    LossScalePolicy, OffloadDevice, OffloadPolicy,
     OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy, SchedulerSpec, Settings, Stage,
     Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
 )
@@ -33,6 +34,34 @@ def precision_policy(config: RootConfig) -> PrecisionPolicy:
     if bf16:
         return PrecisionPolicy(compute=Precision.BF16, reduce=comm or Precision.BF16)
     return PrecisionPolicy(compute=Precision.FP32, reduce=comm or Precision.FP32)
+
+
+def gradient_reduce_policy(config: RootConfig) -> tuple[GradientReducePolicy, list[str]]:
+    """`gradient_allreduce_op`, `prescale_gradients`, `gradient_predivide_factor` as DeepSpeed 0.19.8
+    applies them, refusing what it refuses (runtime/config.py _do_error_check; the asserts of
+    zero/stage_1_and_2.py and stage3.py with reduce_scatter), with a note where one has no effect."""
+    zero, f = config.zero, config.gradient_predivide_factor
+    average = config.gradient_allreduce_op == "mean"
+    scaled = [text for text, on in (("prescale_gradients = true", config.prescale_gradients),
+                                    (f"gradient_predivide_factor = {f:g}", f != 1.0)) if on]
+    if not average and zero.stage == 3:
+        raise ConfigError('gradient_allreduce_op = "sum" is not supported with ZeRO stage 3 (DeepSpeed refuses it '
+                          'too); use "mean", or stage 0-2')
+    if average and scaled and zero.stage in (2, 3) and zero.reduce_scatter:
+        raise ConfigError(f"{', '.join(scaled)}: not supported at ZeRO stage {zero.stage} with "
+                          "zero_optimization.reduce_scatter (DeepSpeed 0.19.8 refuses it too); set "
+                          "zero_optimization.reduce_scatter to false, or remove it")
+    if scaled and not average:
+        return GradientReducePolicy(average=False), [f"ignored: {', '.join(scaled)} with gradient_allreduce_op "
+                                                     '"sum" (DeepSpeed ignores them then too)']
+    if scaled and zero.stage == 1 and zero.reduce_scatter:  # DeepSpeed's reduce-scatter divides first, always
+        notes = [f"ignored: gradient_predivide_factor = {f:g} at stage 1 with reduce_scatter (DeepSpeed divides "
+                 "by the world size before its reduce-scatter and ignores it, and so does zeroshard)"] if f != 1 else []
+        return GradientReducePolicy(prescale=True), notes
+    notes = ([f"ignored: gradient_predivide_factor = {f:g} with prescale_gradients = true (DeepSpeed divides by "
+              "the world size before the sum then, ignoring it, and so does zeroshard)"]
+             if config.prescale_gradients and f != 1 else [])
+    return GradientReducePolicy(average=average, prescale=config.prescale_gradients, predivide_factor=f), notes
 
 
 def _same_named(policy: type, block: Any, **given: Any) -> Any:
@@ -114,8 +143,21 @@ def activation_policy(config: RootConfig) -> ActivationOffloadPolicy:
     return ActivationOffloadPolicy(device=device, nvme_path=path, buffer_count=block.buffer_count, why=why)
 
 
+def runtime_policy(config: RootConfig) -> RuntimePolicy:
+    """The `zeroshard` block; DeepSpeed's `fp16.auto_cast` (cast floating forward inputs to fp16,
+    engine.forward's _cast_inputs_half) is zeroshard's `cast_forward_inputs`."""
+    block = config.zeroshard
+    policy = _same_named(RuntimePolicy, block) if block is not None else RuntimePolicy()
+    if config.fp16 is not None and config.fp16.enabled and config.fp16.auto_cast:
+        if block is not None and "cast_forward_inputs" in block.model_fields_set and not block.cast_forward_inputs:
+            raise ConfigError("fp16.auto_cast = true asks to cast the forward inputs to fp16, but "
+                              "zeroshard.cast_forward_inputs = false says not to; remove one of them")
+        policy = dataclasses.replace(policy, cast_forward_inputs=True)
+    return policy
+
+
 def build_notes(config: RootConfig) -> list[str]:
-    notes: list[str] = []
+    notes: list[str] = gradient_reduce_policy(config)[1]
     if config.gradient_clipping is None:
         notes.append("gradient_clipping not set: zeroshard does not clip gradients (DeepSpeed 0.19 defaults "
                      "to 1.0; add \"gradient_clipping\": 1.0 to match it)")
@@ -137,8 +179,9 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any], 
         optimizer=OptimizerSpec(type=opt.type.lower(), params=dict(opt.params)) if opt is not None else None,
         scheduler=SchedulerSpec(type=sched.type, params=dict(sched.params)) if sched is not None else None,
         gradient_clipping=float(config.gradient_clipping or 0.0), steps_per_print=config.steps_per_print,
+        gradient_reduce=gradient_reduce_policy(config)[0],
         wall_clock_breakdown=config.wall_clock_breakdown,
         comms_logger=CommsLoggerPolicy(enabled=logger.enabled) if logger is not None else CommsLoggerPolicy(),
         aio=_same_named(AioPolicy, config.aio) if config.aio is not None else AioPolicy(),
-        runtime=_same_named(RuntimePolicy, runtime) if runtime is not None else RuntimePolicy(),
+        runtime=runtime_policy(config),
         activations=activation_policy(config), raw=raw, notes=tuple(notes))

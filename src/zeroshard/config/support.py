@@ -71,7 +71,6 @@ _Z = "zero_optimization."
 GAPS: tuple[Gap, ...] = (
     Gap(_Z + "zenflow", lambda c: _when(c.zero.zenflow is not None, "{...}"), "nothing (remove the block)",
         ZERO_STAGES),
-    Gap("fp16.auto_cast", lambda c: _when(bool(_enabled(c.fp16) and c.fp16.auto_cast)), "false"),
     Gap("fp16.fp16_master_weights_and_grads",
         lambda c: _when(bool(_enabled(c.fp16) and c.fp16.fp16_master_weights_and_grads)), "false"),
     Gap("bf16.bf16_master_weights_and_grads",
@@ -80,10 +79,6 @@ GAPS: tuple[Gap, ...] = (
         lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_optimizer_states)), "false"),
     Gap("torch_autocast.enabled", lambda c: _when(bool(c.torch_autocast and c.torch_autocast.enabled)), "false"),
     Gap("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype if c.data_types else None, "null"),
-    Gap("prescale_gradients", lambda c: _when(c.prescale_gradients), "false"),
-    Gap("gradient_predivide_factor",
-        lambda c: _when(c.gradient_predivide_factor != 1.0, c.gradient_predivide_factor), "1.0"),
-    Gap("gradient_allreduce_op", lambda c: _when(c.gradient_allreduce_op == "sum", "sum"), '"mean"'),
     Gap("managed_gradient_accumulation", lambda c: _when(not c.managed_gradient_accumulation, False), "true"),
     Gap("activation_checkpointing.partition_activations",
         lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.partition_activations)),

@@ -79,6 +79,32 @@ class PrecisionPolicy:
 
 
 @dataclass(frozen=True)
+class GradientReducePolicy:
+    """How the ranks' gradients are combined: DeepSpeed's `gradient_allreduce_op`,
+    `prescale_gradients` and `gradient_predivide_factor`, which act as in DeepSpeed's
+    `allreduce_bucket`: "sum" adds the ranks' gradients (N x the mean); `prescale` divides
+    each rank's gradient by N before the sum; `predivide_factor` f divides by f before the sum
+    and multiplies by f / N after. Every "mean" form is the mean: they differ only in where
+    an fp16 sum may overflow or lose digits."""
+
+    average: bool = True
+    prescale: bool = False
+    predivide_factor: float = 1.0
+
+    def factors(self, world_size: int, collective_can_average: bool) -> tuple[float, float, bool]:
+        """(multiplier before the sum, multiplier after it, whether the collective averages)."""
+        n = world_size
+        if n == 1 or not self.average:
+            return 1.0, 1.0, False
+        if self.prescale:
+            return 1.0 / n, 1.0, False
+        if self.predivide_factor != 1.0:
+            f = self.predivide_factor
+            return 1.0 / f, (f / n if f != n else 1.0), False
+        return (1.0, 1.0, True) if collective_can_average else (1.0 / n, 1.0, False)
+
+
+@dataclass(frozen=True)
 class OffloadPolicy:
     """Where a kind of state lives (`offload_optimizer` / `offload_param`)."""
 
@@ -217,6 +243,7 @@ class Settings:
     optimizer: OptimizerSpec | None = None
     scheduler: SchedulerSpec | None = None
     gradient_clipping: float = 0.0  # 0 = no clipping
+    gradient_reduce: GradientReducePolicy = field(default_factory=GradientReducePolicy)
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
     comms_logger: CommsLoggerPolicy = field(default_factory=CommsLoggerPolicy)

@@ -152,7 +152,7 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
     """The gradient strategy of the stage."""
     zero = settings.zero
     common = dict(reduce_dtype=settings.precision.reduce.dtype, overlap=zero.overlap_comm,
-                  ignore_unused=zero.ignore_unused_parameters)
+                  ignore_unused=zero.ignore_unused_parameters, scaling=settings.gradient_reduce)
     if zero.stage == Stage.DATA_PARALLEL:
         return AllReducedGradients(buckets, comm, memory, **common)
     if zero.stage == Stage.OPTIMIZER_STATES:
