@@ -41,6 +41,11 @@ SCHEDULER_PARAM_KINDS = {
     "warmup_min_lr": "numbers", "warmup_max_lr": "numbers", "warmup_min_ratio": "number",
     "cos_min_ratio": "number", "warmup_num_steps": "posint", "total_num_steps": "posint",
     "last_batch_iteration": "int", "warmup_type": "text",
+    "cycle_min_lr": "numbers", "cycle_max_lr": "numbers", "decay_lr_rate": "number", "decay_mom_rate": "number",
+    "cycle_first_step_size": "number", "cycle_second_step_size": "number", "cycle_first_stair_count": "int",
+    "cycle_second_stair_count": "int", "decay_step_size": "number", "cycle_momentum": "bool",
+    "cycle_min_mom": "numbers", "cycle_max_mom": "numbers", "lr_range_test_min_lr": "numbers",
+    "lr_range_test_step_size": "posint", "lr_range_test_step_rate": "number", "lr_range_test_staircase": "bool",
 }
 
 
