@@ -73,9 +73,7 @@ def _same_named(policy: type, block: Any, **given: Any) -> Any:
 def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, default: OffloadPolicy) -> OffloadPolicy:
     if block is None:
         return default
-    pipeline = {} if isinstance(block, OffloadParamConfig) else {"pipeline_read": block.pipeline_read or block.pipeline,
-                                                                 "pipeline_write": block.pipeline_write or block.pipeline}
-    return _same_named(OffloadPolicy, block, device=OffloadDevice(block.device), **pipeline)
+    return _same_named(OffloadPolicy, block, device=OffloadDevice(block.device))
 
 
 def zero_policy(zero: ZeroConfig) -> ZeroPolicy:

@@ -102,6 +102,11 @@ STAGE3_ONLY_KEYS = (
 )
 
 
+# zero_optimization keys that stage 0 (all-reduced gradients, whole parameters) never reads.
+ZERO_ONLY_KEYS = ("reduce_scatter", "allgather_bucket_size", "allgather_partitions", "contiguous_gradients",
+                  "use_multi_rank_bucket_allreduce", "round_robin_gradients", "compute_grad_norm")
+
+
 def _zeropp_in_use(c: RootConfig) -> list[str]:
     """The ZeRO++ keys set to a value that turns something on."""
     z = c.zero
@@ -141,7 +146,8 @@ def check_support(config: RootConfig) -> list[str]:
     if stage < 3 and config.zero_optimization is not None:
         set_keys = config.zero_optimization.model_fields_set
         already = " ".join(ignored)
-        ignored += [_Z + key for key in STAGE3_ONLY_KEYS if key in set_keys and _Z + key not in already]
+        ignored += [_Z + key for key in STAGE3_ONLY_KEYS + (ZERO_ONLY_KEYS if stage == 0 else ())
+                    if key in set_keys and _Z + key not in already]
     if not ignored:
         return []
     return [f"ignored at stage {stage}: " + ", ".join(ignored)
@@ -154,6 +160,21 @@ _ZERO_NO_EFFECT = {  # key: value that differs from DeepSpeed's default and has 
     "round_robin_gradients": True, "parameter_alignment": True,
     "use_multi_rank_bucket_allreduce": False, "load_from_fp32_weights": False,
 }
+
+
+_OFFLOAD_NO_EFFECT = (  # (block, key, why) for offload keys that switch nothing in zeroshard
+    ("offload_param", "max_in_cpu", "zeroshard keeps no host cache of NVMe parameter shards beyond the read-ahead "
+     "buffers (buffer_count x buffer_size)"),
+    ("offload_optimizer", "fast_init", "zeroshard never writes zero states at start-up (a sub-group's states are "
+     "made and written at its first step)"),
+    *(("offload_optimizer", key, "zeroshard reads ahead and writes behind whenever buffer_count allows; the flag "
+       "switches nothing") for key in ("pipeline", "pipeline_read", "pipeline_write")),
+)
+
+
+def _set_on(block: Any, key: str) -> bool:
+    """`key` was written in an offload block that is in use."""
+    return _device(block) is not None and key in block.model_fields_set
 
 
 def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
@@ -185,6 +206,8 @@ def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
     zero = c.zero
     checks += [(getattr(zero, key) == value, f"zero_optimization.{key} = {shown(value)}: no effect in zeroshard")
                for key, value in _ZERO_NO_EFFECT.items()]
+    checks += [(_set_on(block, key), f"zero_optimization.{name}.{key}: {why}") for name, key, why in _OFFLOAD_NO_EFFECT
+               for block in (getattr(zero, name),) if c.stage >= (3 if name == "offload_param" else 1)]
     uses_nvme = "nvme" in (_device(zero.offload_optimizer), _device(zero.offload_param))
     checks.append((c.aio is not None and not uses_nvme, "aio: it configures NVMe offload only, unused here"))
     return checks

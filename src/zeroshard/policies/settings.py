@@ -73,9 +73,17 @@ class PrecisionPolicy:
 
     compute: Precision = Precision.FP32
     reduce: Precision = Precision.FP32
-    master: Precision = Precision.FP32
-    optimizer_states: Precision = Precision.FP32
     loss_scale: LossScalePolicy | None = None  # set iff compute is fp16
+
+    # Not settings: zeroshard keeps fp32 masters and optimizer states whatever the config says
+    # (bf16_master_weights_and_grads / bf16_optimizer_states are refused), so nothing sets them.
+    @property
+    def master(self) -> Precision:
+        return Precision.FP32
+
+    @property
+    def optimizer_states(self) -> Precision:
+        return Precision.FP32
 
 
 @dataclass(frozen=True)
@@ -113,10 +121,6 @@ class OffloadPolicy:
     pin_memory: bool = True
     buffer_count: int = 4
     buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
     ratio: float = 1.0
 
 
