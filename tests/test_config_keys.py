@@ -196,3 +196,29 @@ def test_fp16_auto_cast_casts_forward_inputs_as_deepspeed():
     engine.step()
     assert model.seen == [(torch.float16, torch.float16)]
     engine.close()
+
+
+# ------------------------------------------------------------------ data_types.grad_accum_dtype
+
+@pytest.mark.parametrize("cfg", [
+    {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}, "zero_optimization": {"stage": 3}},
+    {"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "torch.float16"}},
+    {"data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 2}},
+    {"data_types": {"grad_accum_dtype": "float"}},
+])
+def test_grad_accum_dtype_of_the_model_loads(cfg):
+    """DeepSpeed's default accumulates in the model's dtype, as zeroshard does: the same dtype written
+    out changes nothing (LLaMA-Factory's hparam_sweep/ds_z3_e7_gradaccum_bf16.json writes bf16)."""
+    settings = load_config(cfg, 2)
+    plain = load_config({k: v for k, v in cfg.items() if k != "data_types"}, 2)
+    assert _same_policies(settings, plain)
+
+
+def test_grad_accum_dtype_other_than_the_model():
+    bf16_fp32 = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.raises(ConfigError, match="at stage 0: DeepSpeed refuses this mix too"):
+        load_config(bf16_fp32, 2)  # runtime/engine.py _do_optimizer_sanity_check: NotImplementedError
+    with pytest.raises(NotSupportedYetError, match='data_types.grad_accum_dtype = "fp32": not supported yet'):
+        load_config({**bf16_fp32, "zero_optimization": {"stage": 2}}, 2)
+    with pytest.raises(ConfigError, match="expected fp32, fp16 or bf16"):
+        load_config({"data_types": {"grad_accum_dtype": "fp64"}}, 2)

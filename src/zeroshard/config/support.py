@@ -62,6 +62,31 @@ def _enabled(block: Any) -> Any:
     return block if block is not None and block.enabled else None
 
 
+_DTYPE_NAMES = {  # DeepSpeed's DtypeEnum spellings
+    "fp32": ("fp32", "float32", "float", "torch.float32"), "fp16": ("fp16", "float16", "half", "torch.float16"),
+    "bf16": ("bf16", "bfloat16", "torch.bfloat16"), "int8": ("int8", "torch.int8"),
+}
+
+
+def _grad_accum_other(c: RootConfig) -> str | None:
+    """`data_types.grad_accum_dtype` when it differs from the model's dtype (the same dtype is
+    what zeroshard, and DeepSpeed by default, accumulate in). DeepSpeed refuses a different one
+    at stage 0 ("unsupported mix"); at stages 1-3 it accumulates in it, which zeroshard has not built."""
+    name = c.data_types.grad_accum_dtype if c.data_types else None
+    if name is None:
+        return None
+    dtype = next((k for k, names in _DTYPE_NAMES.items() if name in names), None)
+    if dtype is None:
+        raise ConfigError(f"data_types.grad_accum_dtype = {name!r}: expected fp32, fp16 or bf16")
+    model = "fp16" if _enabled(c.fp16) else "bf16" if _enabled(c.bf16) else "fp32"
+    if dtype == model:
+        return None
+    if c.stage == 0:
+        raise ConfigError(f"data_types.grad_accum_dtype = {name!r} with a {model} model at stage 0: DeepSpeed "
+                          "refuses this mix too (NotImplementedError); remove it, or use ZeRO stage 1-3")
+    return name
+
+
 def _unbuilt(block: Any, built: tuple[str, ...], spelling: Callable[[str], str] = str) -> str | None:
     """The `type` of an optimizer / scheduler block when zeroshard has not built it."""
     return block.type if block is not None and spelling(block.type) not in built else None
@@ -78,7 +103,7 @@ GAPS: tuple[Gap, ...] = (
     Gap("bf16.bf16_optimizer_states",
         lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_optimizer_states)), "false"),
     Gap("torch_autocast.enabled", lambda c: _when(bool(c.torch_autocast and c.torch_autocast.enabled)), "false"),
-    Gap("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype if c.data_types else None, "null"),
+    Gap("data_types.grad_accum_dtype", lambda c: _grad_accum_other(c), "null or the model's dtype", ZERO_STAGES),
     Gap("managed_gradient_accumulation", lambda c: _when(not c.managed_gradient_accumulation, False), "true"),
     Gap("activation_checkpointing.partition_activations",
         lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.partition_activations)),
