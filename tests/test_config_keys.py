@@ -219,6 +219,63 @@ def test_grad_accum_dtype_other_than_the_model():
     with pytest.raises(ConfigError, match="at stage 0: DeepSpeed refuses this mix too"):
         load_config(bf16_fp32, 2)  # runtime/engine.py _do_optimizer_sanity_check: NotImplementedError
     with pytest.raises(NotSupportedYetError, match='data_types.grad_accum_dtype = "fp32": not supported yet'):
-        load_config({**bf16_fp32, "zero_optimization": {"stage": 2}}, 2)
+        load_config({**bf16_fp32, "zero_optimization": {"stage": 1}}, 2)
+    assert load_config({**bf16_fp32, "zero_optimization": {"stage": 2}}, 2).precision.grad_accum.value == "fp32"
     with pytest.raises(ConfigError, match="expected fp32, fp16 or bf16"):
         load_config({"data_types": {"grad_accum_dtype": "fp64"}}, 2)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp32_grad_accumulation_of_bf16_gradients(stage):
+    """grad_accum_dtype "fp32" with bf16 at stages 2-3 (DeepSpeed: fp32 partition accumulators): over
+    4 micro-steps the gradient shard is the fp32 sum of the bf16 micro-gradients, exactly; without
+    it, the bf16 running sum (world size 1, so the shard is the whole bucket)."""
+    import copy
+
+    import torch
+
+    import zeroshard
+
+    gas = 4
+    torch.manual_seed(3)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    xs = [torch.randn(2, 16, generator=torch.Generator().manual_seed(m)) for m in range(gas)]
+    ref = copy.deepcopy(base).to(torch.bfloat16)
+    fp32_sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in ref.named_parameters()}
+    bf16_sum = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for x in xs:
+        ref.zero_grad(set_to_none=True)
+        (ref(x.to(torch.bfloat16)).float().pow(2).mean() * (1 / gas)).backward()
+        for n, p in ref.named_parameters():
+            fp32_sum[n] += p.grad.float()
+            bf16_sum[n] += p.grad
+
+    def shards(accum):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+               "bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+               "zero_optimization": {"stage": stage}, "zeroshard": {"step_during_backward": False},
+               **({"data_types": {"grad_accum_dtype": accum}} if accum else {})}
+        if stage == 3:
+            cfg["zeroshard"]["stage3_unit_classes"] = ["Linear"]
+        model = copy.deepcopy(base)
+        names = {id(p): n for n, p in model.named_parameters()}
+        engine = zeroshard.initialize(model, cfg)
+        for m, x in enumerate(xs):
+            engine.backward(engine(x).float().pow(2).mean())
+            if m < gas - 1:
+                engine.step()
+        out = {}
+        for b, bucket in enumerate(engine.buckets):
+            shard = engine.grads.grad_shard(b)
+            for slot, p in zip(bucket.slots, bucket.params):
+                out[names[id(p)]] = shard[slot.offset:slot.end].view(slot.shape).clone()
+        engine.step()
+        engine.close()
+        return out
+
+    with_fp32, plain = shards("fp32"), shards(None)
+    assert all(t.dtype == torch.float32 for t in with_fp32.values())
+    for n in fp32_sum:
+        assert torch.equal(with_fp32[n], fp32_sum[n]), n
+        assert torch.equal(plain[n], bf16_sum[n]), n
+    assert any(not torch.equal(fp32_sum[n], bf16_sum[n].float()) for n in fp32_sum)  # the knob changes something

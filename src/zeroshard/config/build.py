@@ -28,12 +28,20 @@ def precision_policy(config: RootConfig) -> PrecisionPolicy:
     if fp16 and bf16:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
     comm = Precision(config.communication_data_type) if config.communication_data_type else None
+    # a 16-bit model's gradients accumulated in fp32 (stages 2-3; support.py refuses the others)
+    accum = Precision.FP32 if (fp16 or bf16) and config.stage in (2, 3) and _fp32_accum(config) else None
     if fp16:
         scale = _same_named(LossScalePolicy, config.fp16, static_scale=config.fp16.loss_scale)
-        return PrecisionPolicy(compute=Precision.FP16, reduce=comm or Precision.FP16, loss_scale=scale)
+        return PrecisionPolicy(compute=Precision.FP16, reduce=comm or Precision.FP16, loss_scale=scale,
+                               grad_accum=accum)
     if bf16:
-        return PrecisionPolicy(compute=Precision.BF16, reduce=comm or Precision.BF16)
+        return PrecisionPolicy(compute=Precision.BF16, reduce=comm or Precision.BF16, grad_accum=accum)
     return PrecisionPolicy(compute=Precision.FP32, reduce=comm or Precision.FP32)
+
+
+def _fp32_accum(config: RootConfig) -> bool:
+    name = config.data_types.grad_accum_dtype if config.data_types else None
+    return name in ("fp32", "float32", "float", "torch.float32")
 
 
 def gradient_reduce_policy(config: RootConfig) -> tuple[GradientReducePolicy, list[str]]:

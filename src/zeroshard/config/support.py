@@ -71,7 +71,8 @@ _DTYPE_NAMES = {  # DeepSpeed's DtypeEnum spellings
 def _grad_accum_other(c: RootConfig) -> str | None:
     """`data_types.grad_accum_dtype` when it differs from the model's dtype (the same dtype is
     what zeroshard, and DeepSpeed by default, accumulate in). DeepSpeed refuses a different one
-    at stage 0 ("unsupported mix"); at stages 1-3 it accumulates in it, which zeroshard has not built."""
+    at stage 0 ("unsupported mix"); at stages 1-3 it accumulates in it, which zeroshard builds at
+    stages 2-3 (fp32 shard accumulators: config/build.py) and not at stage 1."""
     name = c.data_types.grad_accum_dtype if c.data_types else None
     if name is None:
         return None
@@ -79,7 +80,7 @@ def _grad_accum_other(c: RootConfig) -> str | None:
     if dtype is None:
         raise ConfigError(f"data_types.grad_accum_dtype = {name!r}: expected fp32, fp16 or bf16")
     model = "fp16" if _enabled(c.fp16) else "bf16" if _enabled(c.bf16) else "fp32"
-    if dtype == model:
+    if dtype == model or (dtype == "fp32" and c.stage in (2, 3)):
         return None
     if c.stage == 0:
         raise ConfigError(f"data_types.grad_accum_dtype = {name!r} with a {model} model at stage 0: DeepSpeed "
@@ -103,7 +104,7 @@ GAPS: tuple[Gap, ...] = (
     Gap("bf16.bf16_optimizer_states",
         lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_optimizer_states)), "false"),
     Gap("torch_autocast.enabled", lambda c: _when(bool(c.torch_autocast and c.torch_autocast.enabled)), "false"),
-    Gap("data_types.grad_accum_dtype", lambda c: _grad_accum_other(c), "null or the model's dtype", ZERO_STAGES),
+    Gap("data_types.grad_accum_dtype", lambda c: _grad_accum_other(c), "null or the model's dtype", frozenset({1})),
     Gap("managed_gradient_accumulation", lambda c: _when(not c.managed_gradient_accumulation, False), "true"),
     Gap("activation_checkpointing.partition_activations",
         lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.partition_activations)),

@@ -74,6 +74,9 @@ class PrecisionPolicy:
     compute: Precision = Precision.FP32
     reduce: Precision = Precision.FP32
     loss_scale: LossScalePolicy | None = None  # set iff compute is fp16
+    # dtype the reduced gradient shards accumulate in across micro-steps (stages 2-3; None: the
+    # compute dtype): DeepSpeed's data_types.grad_accum_dtype "fp32" with bf16 / fp16
+    grad_accum: Precision | None = None
 
     # Not settings: zeroshard keeps fp32 masters and optimizer states whatever the config says
     # (bf16_master_weights_and_grads / bf16_optimizer_states are refused), so nothing sets them.

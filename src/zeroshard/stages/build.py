@@ -158,7 +158,7 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
     if zero.stage == Stage.OPTIMIZER_STATES:
         return ScatteredGradients(buckets, comm, memory, use_all_reduce=not zero.reduce_scatter, **common)
     if zero.stage in (Stage.GRADIENTS, Stage.PARAMETERS):
-        reducer = None
+        reducer, accum = None, settings.precision.grad_accum.dtype if settings.precision.grad_accum else None
         if zero.stage == Stage.PARAMETERS and zero.zeropp.quantized_gradients and comm.world_size > 1:
             # qgZ: the reduce-scatter becomes a 2-hop quantized all-to-all (it replaces the
             # all-reduce of reduce_scatter=false as well: it is the reduction)
@@ -166,7 +166,7 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
             reducer = QuantizedHierarchicalReduceScatter(comm, hierarchy)
         return PartitionedGradients(buckets, comm, memory, contiguous=zero.contiguous_gradients,
                                     use_all_reduce=not zero.reduce_scatter and reducer is None, reducer=reducer,
-                                    pool=pool, max_in_flight=MAX_IN_FLIGHT, **common)
+                                    pool=pool, max_in_flight=MAX_IN_FLIGHT, accum_dtype=accum, **common)
     raise NotSupportedYetError(f"zero_optimization.stage = {int(zero.stage)}: not supported")
 
 

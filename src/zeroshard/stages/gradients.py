@@ -298,11 +298,12 @@ class PartitionedGradients(_Scatter, BucketedGradients):
     reduces_every_micro_step = True
 
     def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False,
-                 max_in_flight: int = MAX_IN_FLIGHT, reducer=None, pool=None, **kwargs) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, reducer=None, pool=None, accum_dtype=None, **kwargs) -> None:
         self.contiguous, self.use_all_reduce, self.max_in_flight = contiguous, use_all_reduce, max_in_flight
         self.reducer, self.pool = reducer, pool  # pool: a BufferPool for the full buffers, or None
         super().__init__(*args, **kwargs)
-        self.shards = [torch.zeros(b.layout.shard_numel, dtype=b.dtype, device=b.device) for b in self.buckets]
+        self.shards = [torch.zeros(b.layout.shard_numel, dtype=accum_dtype or b.dtype, device=b.device)
+                       for b in self.buckets]  # accum_dtype: data_types.grad_accum_dtype
         for shard, bucket in zip(self.shards, self.buckets):
             self.memory.hold("grads", f"{bucket.key}.shard", shard.nbytes)
         self._full: dict[int, torch.Tensor] = {}
