@@ -100,10 +100,11 @@ def _zero2(**zero):
 
 # ---------------------------------------------------------------- bad configs
 
-def test_unknown_top_level_key_suggests_closest():
-    msg = _error({"zero_optimisation": {"stage": 2}})
-    assert "unknown key 'zero_optimisation' at top level" in msg
-    assert "did you mean 'zero_optimization'?" in msg
+def test_unknown_top_level_key_loads_with_a_note_suggesting_the_closest():
+    """DeepSpeed ignores unknown top-level keys; zeroshard too, saying so (tests/test_config_keys.py)."""
+    notes = [n for n in load_config({"zero_optimisation": {"stage": 2}}, 2).notes if "zero_optimisation" in n]
+    assert len(notes) == 1 and "unknown top-level key 'zero_optimisation'" in notes[0]
+    assert "did you mean 'zero_optimization'?" in notes[0]
 
 
 def test_unknown_nested_key_names_block_and_suggests():
@@ -126,8 +127,8 @@ def test_unknown_key_in_loosely_read_blocks_is_an_error():
 
 
 def test_key_in_wrong_block_says_where_it_belongs():
-    msg = _error({"stage": 2})
-    assert "'stage' belongs in zero_optimization" in msg
+    notes = load_config({"stage": 2}, 2).notes
+    assert any("'stage' (it belongs in zero_optimization" in n for n in notes), notes
 
 
 def test_fp16_keys_in_bf16_are_explained():
@@ -297,7 +298,7 @@ def test_alias_and_canonical_with_different_values():
 
 
 def test_several_problems_in_one_error():
-    msg = _error({"zero_optimization": {"stage": 2, "foo": 1, "reduce_bucket_size": "x"}, "bar": 2})
+    msg = _error({"zero_optimization": {"stage": 2, "foo": 1, "reduce_bucket_size": "x"}, "fp16": {"bar": 2}})
     assert "3 problems" in msg and "'foo'" in msg and "'bar'" in msg and "reduce_bucket_size" in msg
 
 
@@ -308,26 +309,20 @@ def test_no_pydantic_error_escapes():
 
 _NSY = [
     (_zero2(zenflow={"topk_ratio": 0.05}), "zero_optimization.zenflow"),
-    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast = true"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
     ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
     ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states = true"),
     ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled = true"),
-    ({"data_types": {"grad_accum_dtype": "fp32"}}, 'data_types.grad_accum_dtype = "fp32"'),
-    ({"prescale_gradients": True}, "prescale_gradients = true"),
-    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor = 2.0"),
-    ({"gradient_allreduce_op": "sum"}, 'gradient_allreduce_op = "sum"'),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}},
+     'data_types.grad_accum_dtype = "fp32"'),
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation = false"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile = true"),
     ({"compile": {"enabled": True}}, "compile.enabled = true"),
-    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, 'optimizer.type = "Lamb"'),
     ({"optimizer": {"type": "lion"}}, 'optimizer.type = "lion"'),
     ({"optimizer": {"type": "OneBitAdam"}}, 'optimizer.type = "OneBitAdam"'),
     ({"optimizer": {"type": "muon"}}, 'optimizer.type = "muon"'),
-    ({"scheduler": {"type": "OneCycle", "params": {}}}, 'scheduler.type = "OneCycle"'),
-    ({"scheduler": {"type": "LRRangeTest"}}, 'scheduler.type = "LRRangeTest"'),
 ]
 
 
@@ -339,11 +334,11 @@ def test_not_supported_yet(cfg, words):
 
 def test_not_supported_yet_lists_every_gap():
     cfg = copy.deepcopy(HF_ZERO3)
-    cfg["prescale_gradients"] = True
-    cfg["gradient_allreduce_op"] = "sum"
+    cfg["compile"] = {"enabled": True}
+    cfg["activation_checkpointing"] = {"partition_activations": True}
     msg = _error(cfg, NotSupportedYetError)
     assert "zero_optimization.stage = 3" not in msg  # stage 3 is built
-    assert "prescale_gradients" in msg and "gradient_allreduce_op" in msg
+    assert "compile.enabled" in msg and "partition_activations" in msg
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -608,8 +603,9 @@ def test_auto_for_precision_and_clipping():
     assert s.precision.compute is Precision.FP32 and s.gradient_clipping == 0.0
 
 
-def test_auto_on_unknown_key_is_still_an_error():
-    assert "did you mean 'train_batch_size'" in _error({"train_batch_sise": "auto"})
+def test_auto_on_unknown_key_is_still_named():
+    assert any("did you mean 'train_batch_size'" in n for n in load_config({"train_batch_sise": "auto"}, 2).notes)
+    assert "did you mean 'enabled'" in _error({"fp16": {"enabeld": "auto"}})
 
 
 def test_gradient_clipping():
@@ -729,8 +725,8 @@ def test_config_layer_imports_only_policies_and_no_torch():
 
 
 def test_block_at_wrong_level_says_where_it_belongs():
-    msg = _error({"offload_optimizer": {"device": "cpu"}})
-    assert "unknown key 'offload_optimizer' at top level" in msg and "belongs in zero_optimization" in msg
+    notes = load_config({"offload_optimizer": {"device": "cpu"}}, 2).notes
+    assert any("'offload_optimizer' (it belongs in zero_optimization" in n for n in notes), notes
     msg = _error({"zero_optimization": {"stage": 2, "train_batch_size": 8}})
     assert "belongs in the top level" in msg
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import zeroshard.deepspeed as deepspeed
 from zeroshard.deepspeed.shadow import SERVED_VERSION, SHADOW_DIR
-from zeroshard.policies import ConfigError, NotSupportedYetError
+from zeroshard.policies import ConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -107,14 +107,14 @@ def test_get_accelerator_on_the_cpu(monkeypatch):
 
 def test_lr_schedules_names_and_classes():
     from zeroshard.deepspeed.runtime import lr_schedules
-    from zeroshard.optim.schedulers import WarmupLR
+    from zeroshard.optim.schedulers import OneCycle, WarmupLR
 
     assert lr_schedules.VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR",
                                                "WarmupCosineLR"]
     assert lr_schedules.WarmupLR is WarmupLR
+    assert lr_schedules.OneCycle is OneCycle
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    with pytest.raises(NotSupportedYetError, match="OneCycle is not served"):
-        lr_schedules.OneCycle(opt)
+    assert lr_schedules.OneCycle(opt, 0.01, 0.1).get_last_lr() == [0.01]
 
 
 def test_clone_tensors_for_torch_save_owns_only_its_own_storage():

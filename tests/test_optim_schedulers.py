@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zeroshard.optim.schedulers import WarmupCosineLR, WarmupLR, build_scheduler
-from zeroshard.policies import ConfigError, NotSupportedYetError, SchedulerSpec
+from zeroshard.policies import ConfigError, SchedulerSpec
 
 
 def _opt(lr=0.1, groups=1):
@@ -147,7 +147,7 @@ def test_errors():
         build_scheduler(SchedulerSpec("WarmupLR", {"warmup_type": "cubic"}), _opt())
     with pytest.raises(ConfigError, match="warmup_num_steps"):
         build_scheduler(SchedulerSpec("WarmupLR", {"warmup_num_steps": 0}), _opt())
-    with pytest.raises(NotSupportedYetError):
+    with pytest.raises(ConfigError, match="'OneCycle'.*'cycle_min_lr' is required"):
         build_scheduler(SchedulerSpec("OneCycle", {}), _opt())
     with pytest.raises(ConfigError, match="unknown scheduler type"):
         build_scheduler(SchedulerSpec("warmuplr", {}), _opt())

@@ -33,6 +33,17 @@ def _elements(n: int) -> str:
     return str(n)
 
 
+def _reduction(r) -> str:
+    """The config's GradientReducePolicy in words."""
+    if not r.average:
+        return "sum (gradient_allreduce_op \"sum\")"
+    if r.prescale:
+        return "mean (prescale_gradients: divided by the world size before the sum)"
+    if r.predivide_factor != 1.0:
+        return f"mean (gradient_predivide_factor {r.predivide_factor:g}: divided by it before the sum)"
+    return "mean"
+
+
 def startup_banner(run: Assembled, topo: Topology, lr_scheduler: Any) -> list[str]:
     """The lines printed once the run is assembled (`run`: what `stages.build.assemble` made)."""
     s, parts = run.settings, run.parts
@@ -60,7 +71,8 @@ def startup_banner(run: Assembled, topo: Topology, lr_scheduler: Any) -> list[st
         f"scheduler: {type(lr_scheduler).__name__ if lr_scheduler else 'none'}",
         f"  optimizer step: {run.step_mode}",
         f"  gradient clipping: {clip}"
-        + ("" if s.gradient_clipping > 0 else " (DeepSpeed 0.19 defaults to 1.0; zeroshard clips only when asked)"),
+        + ("" if s.gradient_clipping > 0 else " (DeepSpeed 0.19 defaults to 1.0; zeroshard clips only when asked)")
+        + f"; gradients reduced as the {_reduction(s.gradient_reduce)} over ranks",
         f"  batch: {b.train_batch_size} = micro {b.micro_batch_size} x accumulation "
         f"{b.gradient_accumulation_steps} x ranks {topo.world_size}",
         f"  buckets: reduce {z.reduce_bucket_size:,} / all-gather {z.allgather_bucket_size:,} elements; "
@@ -113,10 +125,9 @@ def startup_summary(run: Assembled, topo: Topology, lr_scheduler: Any, memory: d
         + (f"{human_bytes(states['optimizer_states'])}" if states["optimizer_states"] else
            "states from the first step"),
     ]
-    if s.notes:
-        first = s.notes[0].split(":")[0]
-        lines.append(f"  {len(s.notes)} note(s) on the config ({first}{', ...' if len(s.notes) > 1 else ''}): "
-                     f"read them with {VERBOSE_ENV}=1 or --verbose")
+    if s.notes:  # each note's head (up to its first ' (' or ';'), the whole of them with --verbose
+        heads = "; ".join(n.split(" (")[0].split("; ")[0][:60] for n in s.notes)
+        lines.append(_fit(f"  {len(s.notes)} note(s), all with --verbose / {VERBOSE_ENV}=1: {heads}"))
     return [_fit(line) for line in lines]
 
 

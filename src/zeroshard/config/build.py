@@ -16,7 +16,8 @@ from zeroshard.config.schema import RootConfig
 from zeroshard.config.support import MONITORS
 from zeroshard.config.zero_schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from zeroshard.policies import (
-    ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, LossScalePolicy, OffloadDevice, OffloadPolicy,
+    ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, GradientReducePolicy,
+    LossScalePolicy, OffloadDevice, OffloadPolicy,
     OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy, SchedulerSpec, Settings, Stage,
     Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
 )
@@ -28,12 +29,48 @@ def precision_policy(config: RootConfig) -> PrecisionPolicy:
     if fp16 and bf16:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
     comm = Precision(config.communication_data_type) if config.communication_data_type else None
+    # a 16-bit model's gradients accumulated in fp32 (stages 2-3; support.py refuses the others)
+    accum = Precision.FP32 if (fp16 or bf16) and config.stage in (2, 3) and _fp32_accum(config) else None
     if fp16:
         scale = _same_named(LossScalePolicy, config.fp16, static_scale=config.fp16.loss_scale)
-        return PrecisionPolicy(compute=Precision.FP16, reduce=comm or Precision.FP16, loss_scale=scale)
+        return PrecisionPolicy(compute=Precision.FP16, reduce=comm or Precision.FP16, loss_scale=scale,
+                               grad_accum=accum)
     if bf16:
-        return PrecisionPolicy(compute=Precision.BF16, reduce=comm or Precision.BF16)
+        return PrecisionPolicy(compute=Precision.BF16, reduce=comm or Precision.BF16, grad_accum=accum)
     return PrecisionPolicy(compute=Precision.FP32, reduce=comm or Precision.FP32)
+
+
+def _fp32_accum(config: RootConfig) -> bool:
+    name = config.data_types.grad_accum_dtype if config.data_types else None
+    return name in ("fp32", "float32", "float", "torch.float32")
+
+
+def gradient_reduce_policy(config: RootConfig) -> tuple[GradientReducePolicy, list[str]]:
+    """`gradient_allreduce_op`, `prescale_gradients`, `gradient_predivide_factor` as DeepSpeed 0.19.8
+    applies them, refusing what it refuses (runtime/config.py _do_error_check; the asserts of
+    zero/stage_1_and_2.py and stage3.py with reduce_scatter), with a note where one has no effect."""
+    zero, f = config.zero, config.gradient_predivide_factor
+    average = config.gradient_allreduce_op == "mean"
+    scaled = [text for text, on in (("prescale_gradients = true", config.prescale_gradients),
+                                    (f"gradient_predivide_factor = {f:g}", f != 1.0)) if on]
+    if not average and zero.stage == 3:
+        raise ConfigError('gradient_allreduce_op = "sum" is not supported with ZeRO stage 3 (DeepSpeed refuses it '
+                          'too); use "mean", or stage 0-2')
+    if average and scaled and zero.stage in (2, 3) and zero.reduce_scatter:
+        raise ConfigError(f"{', '.join(scaled)}: not supported at ZeRO stage {zero.stage} with "
+                          "zero_optimization.reduce_scatter (DeepSpeed 0.19.8 refuses it too); set "
+                          "zero_optimization.reduce_scatter to false, or remove it")
+    if scaled and not average:
+        return GradientReducePolicy(average=False), [f"ignored: {', '.join(scaled)} with gradient_allreduce_op "
+                                                     '"sum" (DeepSpeed ignores them then too)']
+    if scaled and zero.stage == 1 and zero.reduce_scatter:  # DeepSpeed's reduce-scatter divides first, always
+        notes = [f"ignored: gradient_predivide_factor = {f:g} at stage 1 with reduce_scatter (DeepSpeed divides "
+                 "by the world size before its reduce-scatter and ignores it, and so does zeroshard)"] if f != 1 else []
+        return GradientReducePolicy(prescale=True), notes
+    notes = ([f"ignored: gradient_predivide_factor = {f:g} with prescale_gradients = true (DeepSpeed divides by "
+              "the world size before the sum then, ignoring it, and so does zeroshard)"]
+             if config.prescale_gradients and f != 1 else [])
+    return GradientReducePolicy(average=average, prescale=config.prescale_gradients, predivide_factor=f), notes
 
 
 def _same_named(policy: type, block: Any, **given: Any) -> Any:
@@ -45,9 +82,7 @@ def _same_named(policy: type, block: Any, **given: Any) -> Any:
 def _offload(block: OffloadParamConfig | OffloadOptimizerConfig | None, default: OffloadPolicy) -> OffloadPolicy:
     if block is None:
         return default
-    pipeline = {} if isinstance(block, OffloadParamConfig) else {"pipeline_read": block.pipeline_read or block.pipeline,
-                                                                 "pipeline_write": block.pipeline_write or block.pipeline}
-    return _same_named(OffloadPolicy, block, device=OffloadDevice(block.device), **pipeline)
+    return _same_named(OffloadPolicy, block, device=OffloadDevice(block.device))
 
 
 def zero_policy(zero: ZeroConfig) -> ZeroPolicy:
@@ -115,8 +150,21 @@ def activation_policy(config: RootConfig) -> ActivationOffloadPolicy:
     return ActivationOffloadPolicy(device=device, nvme_path=path, buffer_count=block.buffer_count, why=why)
 
 
+def runtime_policy(config: RootConfig) -> RuntimePolicy:
+    """The `zeroshard` block; DeepSpeed's `fp16.auto_cast` (cast floating forward inputs to fp16,
+    engine.forward's _cast_inputs_half) is zeroshard's `cast_forward_inputs`."""
+    block = config.zeroshard
+    policy = _same_named(RuntimePolicy, block) if block is not None else RuntimePolicy()
+    if config.fp16 is not None and config.fp16.enabled and config.fp16.auto_cast:
+        if block is not None and "cast_forward_inputs" in block.model_fields_set and not block.cast_forward_inputs:
+            raise ConfigError("fp16.auto_cast = true asks to cast the forward inputs to fp16, but "
+                              "zeroshard.cast_forward_inputs = false says not to; remove one of them")
+        policy = dataclasses.replace(policy, cast_forward_inputs=True)
+    return policy
+
+
 def build_notes(config: RootConfig) -> list[str]:
-    notes: list[str] = []
+    notes: list[str] = gradient_reduce_policy(config)[1]
     if config.gradient_clipping is None:
         notes.append("gradient_clipping not set: zeroshard does not clip gradients (DeepSpeed 0.19 defaults "
                      "to 1.0; add \"gradient_clipping\": 1.0 to match it)")
@@ -138,10 +186,11 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any], 
         optimizer=OptimizerSpec(type=opt.type.lower(), params=dict(opt.params)) if opt is not None else None,
         scheduler=SchedulerSpec(type=sched.type, params=dict(sched.params)) if sched is not None else None,
         gradient_clipping=float(config.gradient_clipping or 0.0), steps_per_print=config.steps_per_print,
+        gradient_reduce=gradient_reduce_policy(config)[0],
         wall_clock_breakdown=config.wall_clock_breakdown,
         comms_logger=CommsLoggerPolicy(enabled=logger.enabled) if logger is not None else CommsLoggerPolicy(),
         monitors=tuple((name, tuple(getattr(config, name).model_dump().items())) for name in MONITORS
                        if getattr(config, name) is not None and getattr(config, name).enabled),
         aio=_same_named(AioPolicy, config.aio) if config.aio is not None else AioPolicy(),
-        runtime=_same_named(RuntimePolicy, runtime) if runtime is not None else RuntimePolicy(),
+        runtime=runtime_policy(config),
         activations=activation_policy(config), raw=raw, notes=tuple(notes))

@@ -16,7 +16,9 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from zeroshard.config.batch import resolve_batch
-from zeroshard.config.build import build_notes, build_settings, precision_policy
+from zeroshard.config.build import (
+    build_notes, build_settings, gradient_reduce_policy, precision_policy, runtime_policy,
+)
 from zeroshard.config.normalize import normalize
 from zeroshard.config.schema import RootConfig
 from zeroshard.config.support import check_support, ignored_notes
@@ -81,6 +83,8 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike, world_size: int, 
         config = RootConfig.model_validate(data)
         precision_policy(config)
         notes += check_support(config)
+        gradient_reduce_policy(config)
+        runtime_policy(config)
         batch, batch_notes = resolve_batch(
             config.train_batch_size, config.train_micro_batch_size_per_gpu,
             config.gradient_accumulation_steps, world_size)

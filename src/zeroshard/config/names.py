@@ -14,9 +14,9 @@ UNBUILT_OPTIMIZERS = (
 )
 KNOWN_OPTIMIZERS = BUILT_OPTIMIZERS + UNBUILT_OPTIMIZERS  # compared lower-cased, as DeepSpeed does
 
-BUILT_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+BUILT_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 UNBUILT_SCHEDULERS = (
-    "LRRangeTest", "OneCycle", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR",
+    "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR",
     "CosineAnnealingWarmRestarts", "LambdaLR", "LinearLR", "ConstantLR", "PolynomialLR",
     "CyclicLR", "OneCycleLR", "ReduceLROnPlateau",
 )

@@ -2,6 +2,7 @@
 
 Runs before validation, on a deep copy of the user's dict:
 * keys DeepSpeed 0.19 removed: error (DeepSpeed refuses them too);
+* top-level keys DeepSpeed ignores (unknown or dotted): removed, one note each (`foreign.py`);
 * legacy forms: `bfloat16`, `"zero_optimization": true` (+ `allgather_size`);
 * `stage3_*` aliases and deprecated `zero_optimization` keys;
 * `aio` nested inside `zero_optimization`, and `aio.thread_count`;
@@ -15,14 +16,27 @@ import copy
 from typing import Any, Mapping
 
 from zeroshard.config.fields import Section, is_free_dict, section_of
+from zeroshard.config.foreign import ROOT_FIELDS, triage_top_level
 from zeroshard.config.schema import RootConfig
 from zeroshard.config.zero_schema import STAGE3_ALIASES
 from zeroshard.policies import HIDDEN_SIZE_AUTO, ConfigError, ZeroPolicy
 
-REMOVED_TOP_KEYS = (
-    "nebula", "compression_training", "amp", "quantize_training", "sparse_gradients", "eigenvalue",
-    "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning", "progressive_layer_drop",
-)
+# DeepSpeed 0.19.8 refuses these even when disabled (`runtime/config.py`
+# _REMOVED_TOP_LEVEL_CONFIG_KEYS): key -> what DeepSpeed says became of the feature.
+REMOVED_TOP_KEYS = {
+    "nebula": "Nebula checkpointing was removed",
+    "compression_training": "the compression library was removed (the model would train unquantized)",
+    "amp": "Apex AMP was removed; use fp16, bf16 or torch_autocast",
+    "quantize_training": "MoQ (quantize_training) was removed",
+    "sparse_gradients": "sparse compression of dense embedding gradients was removed",
+    "eigenvalue": "eigenvalue-based MoQ was removed",
+    "sparse_attention": "Sparse Attention was removed",
+    "elasticity": "elastic training was removed; set the batch sizes directly",
+    "graph_harvesting": "graph harvesting was removed",
+    "curriculum_learning": "the top-level block was removed; DeepSpeed reads "
+                           "data_efficiency.data_sampling.curriculum_learning instead",
+    "progressive_layer_drop": "Progressive Layer Dropping was removed",
+}
 REMOVED_ZERO_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
 
 
@@ -46,14 +60,14 @@ def _rename(block: dict, old: str, new: str, where: str, renames: dict) -> None:
 
 
 def _refuse_removed(data: dict) -> None:
-    found = [key for key in REMOVED_TOP_KEYS if key in data]
+    found = [f"{key!r} ({why})" for key, why in REMOVED_TOP_KEYS.items() if key in data]
     zero = data.get("zero_optimization")
     if isinstance(zero, dict):
-        found += [f"zero_optimization.{key}" for key in REMOVED_ZERO_KEYS if key in zero]
+        found += [repr(f"zero_optimization.{key}") for key in REMOVED_ZERO_KEYS if key in zero]
     if found:
         raise ConfigError(
-            "removed key(s) " + ", ".join(repr(k) for k in found) + ": DeepSpeed removed them too "
-            "(0.19 rejects them with DeepSpeedConfigError); delete them from the config")
+            "removed key(s) " + ", ".join(found) + ": DeepSpeed removed them too (0.19 rejects them with "
+            "DeepSpeedConfigError, even when disabled); delete them from the config")
 
 
 def _refuse_non_string_keys(node: Any, path: str = "") -> None:
@@ -149,7 +163,7 @@ def _drop_auto(block: dict, model: type[Section], path: str, dropped: list[str])
         sub = section_of(model, key)
         if sub is not None and isinstance(value, dict):
             _drop_auto(value, sub, f"{path}{key}.", dropped)
-        elif is_free_dict(model, key) and isinstance(value, dict):
+        elif is_free_dict(model, key) and isinstance(value, dict) and not (path == "" and key in ROOT_FIELDS):
             for inner in [k for k, v in value.items() if _is_auto(v)]:
                 del value[inner]
                 dropped.append(f"{path}{key}.{inner}")
@@ -188,6 +202,7 @@ def normalize(config: Mapping[str, Any], hidden_size: int | None,
     _refuse_non_string_keys(data)
     _refuse_removed(data)
     _legacy_top(data, notes, renames)
+    triage_top_level(data, RootConfig.keys(), RootConfig, notes)
     zero = data.get("zero_optimization")
     if isinstance(zero, dict):
         _zero_rewrites(data, zero, notes, renames)

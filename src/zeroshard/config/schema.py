@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 from zeroshard.config.fields import (
     Bool, Int, NonNegInt, NonNegReal, PosInt, PosReal, Section, Text, check_free_params,
 )
+from zeroshard.config.foreign import ROOT_FIELDS
 from zeroshard.config.suggest import did_you_mean
 from zeroshard.config.names import KNOWN_OPTIMIZERS, KNOWN_SCHEDULERS
 from zeroshard.config.zero_schema import ZeroConfig
@@ -40,6 +41,11 @@ SCHEDULER_PARAM_KINDS = {
     "warmup_min_lr": "numbers", "warmup_max_lr": "numbers", "warmup_min_ratio": "number",
     "cos_min_ratio": "number", "warmup_num_steps": "posint", "total_num_steps": "posint",
     "last_batch_iteration": "int", "warmup_type": "text",
+    "cycle_min_lr": "numbers", "cycle_max_lr": "numbers", "decay_lr_rate": "number", "decay_mom_rate": "number",
+    "cycle_first_step_size": "number", "cycle_second_step_size": "number", "cycle_first_stair_count": "int",
+    "cycle_second_stair_count": "int", "decay_step_size": "number", "cycle_momentum": "bool",
+    "cycle_min_mom": "numbers", "cycle_max_mom": "numbers", "lr_range_test_min_lr": "numbers",
+    "lr_range_test_step_size": "posint", "lr_range_test_step_rate": "number", "lr_range_test_staircase": "bool",
 }
 
 
@@ -259,8 +265,13 @@ class ZeroShardConfig(Section):
     activation_offload: ActivationOffloadConfig | None = None
 
 
-class RootConfig(Section):
-    """The whole file, after the loader's rewrites (aliases, legacy forms, "auto")."""
+# DeepSpeed's blocks of features zeroshard does not build (judged in foreign.py).
+_ForeignBlocks = create_model("_ForeignBlocks", __base__=Section, **ROOT_FIELDS)
+
+
+class RootConfig(_ForeignBlocks):
+    """The whole file, after the loader's rewrites (aliases, legacy forms, "auto") and with the
+    top-level keys DeepSpeed ignores removed (`foreign.triage_top_level`)."""
 
     spellings = ("bfloat16",)
 
@@ -297,7 +308,6 @@ class RootConfig(Section):
     flops_profiler: FlopsProfilerConfig | None = None
     autotuning: AutotuningConfig | None = None
     compile: CompileConfig | None = None
-    tensor_parallel: dict[str, Any] | None = None
     dataloader_drop_last: Bool = False
     log_level: Text | None = None
     dump_state: Bool = False

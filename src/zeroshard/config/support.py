@@ -25,6 +25,7 @@ from importlib import metadata
 from typing import Any, Callable
 
 from zeroshard.config.fields import shown
+from zeroshard.config.foreign import inert_notes, refusals
 from zeroshard.config.names import BUILT_OPTIMIZERS, BUILT_SCHEDULERS
 from zeroshard.config.schema import RootConfig
 from zeroshard.policies import MONITOR_LIBRARIES, ConfigError, NotSupportedYetError
@@ -62,6 +63,32 @@ def _enabled(block: Any) -> Any:
     return block if block is not None and block.enabled else None
 
 
+_DTYPE_NAMES = {  # DeepSpeed's DtypeEnum spellings
+    "fp32": ("fp32", "float32", "float", "torch.float32"), "fp16": ("fp16", "float16", "half", "torch.float16"),
+    "bf16": ("bf16", "bfloat16", "torch.bfloat16"), "int8": ("int8", "torch.int8"),
+}
+
+
+def _grad_accum_other(c: RootConfig) -> str | None:
+    """`data_types.grad_accum_dtype` when it differs from the model's dtype (the same dtype is
+    what zeroshard, and DeepSpeed by default, accumulate in). DeepSpeed refuses a different one
+    at stage 0 ("unsupported mix"); at stages 1-3 it accumulates in it, which zeroshard builds at
+    stages 2-3 (fp32 shard accumulators: config/build.py) and not at stage 1."""
+    name = c.data_types.grad_accum_dtype if c.data_types else None
+    if name is None:
+        return None
+    dtype = next((k for k, names in _DTYPE_NAMES.items() if name in names), None)
+    if dtype is None:
+        raise ConfigError(f"data_types.grad_accum_dtype = {name!r}: expected fp32, fp16 or bf16")
+    model = "fp16" if _enabled(c.fp16) else "bf16" if _enabled(c.bf16) else "fp32"
+    if dtype == model or (dtype == "fp32" and c.stage in (2, 3)):
+        return None
+    if c.stage == 0:
+        raise ConfigError(f"data_types.grad_accum_dtype = {name!r} with a {model} model at stage 0: DeepSpeed "
+                          "refuses this mix too (NotImplementedError); remove it, or use ZeRO stage 1-3")
+    return name
+
+
 def _unbuilt(block: Any, built: tuple[str, ...], spelling: Callable[[str], str] = str) -> str | None:
     """The `type` of an optimizer / scheduler block when zeroshard has not built it."""
     return block.type if block is not None and spelling(block.type) not in built else None
@@ -71,7 +98,6 @@ _Z = "zero_optimization."
 GAPS: tuple[Gap, ...] = (
     Gap(_Z + "zenflow", lambda c: _when(c.zero.zenflow is not None, "{...}"), "nothing (remove the block)",
         ZERO_STAGES),
-    Gap("fp16.auto_cast", lambda c: _when(bool(_enabled(c.fp16) and c.fp16.auto_cast)), "false"),
     Gap("fp16.fp16_master_weights_and_grads",
         lambda c: _when(bool(_enabled(c.fp16) and c.fp16.fp16_master_weights_and_grads)), "false"),
     Gap("bf16.bf16_master_weights_and_grads",
@@ -79,18 +105,13 @@ GAPS: tuple[Gap, ...] = (
     Gap("bf16.bf16_optimizer_states",
         lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_optimizer_states)), "false"),
     Gap("torch_autocast.enabled", lambda c: _when(bool(c.torch_autocast and c.torch_autocast.enabled)), "false"),
-    Gap("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype if c.data_types else None, "null"),
-    Gap("prescale_gradients", lambda c: _when(c.prescale_gradients), "false"),
-    Gap("gradient_predivide_factor",
-        lambda c: _when(c.gradient_predivide_factor != 1.0, c.gradient_predivide_factor), "1.0"),
-    Gap("gradient_allreduce_op", lambda c: _when(c.gradient_allreduce_op == "sum", "sum"), '"mean"'),
+    Gap("data_types.grad_accum_dtype", lambda c: _grad_accum_other(c), "null or the model's dtype", frozenset({1})),
     Gap("managed_gradient_accumulation", lambda c: _when(not c.managed_gradient_accumulation, False), "true"),
     Gap("activation_checkpointing.partition_activations",
         lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.partition_activations)),
         "false"),
     Gap("compile.enabled", lambda c: _when(bool(c.compile and c.compile.enabled)), "false"),
     Gap("compile.deepcompile", lambda c: _when(bool(c.compile and c.compile.deepcompile)), "false"),
-    Gap("tensor_parallel", lambda c: _when(bool(c.tensor_parallel), "{...}"), "nothing (remove the block)"),
     Gap("optimizer.type", lambda c: _unbuilt(c.optimizer, BUILT_OPTIMIZERS, str.lower),
         "one of " + ", ".join(BUILT_OPTIMIZERS)),
     Gap("scheduler.type", lambda c: _unbuilt(c.scheduler, BUILT_SCHEDULERS), "one of " + ", ".join(BUILT_SCHEDULERS)),
@@ -122,6 +143,11 @@ def check_monitor_libraries(config: RootConfig) -> None:
                               f"pip install {package} (or pip install 'zeroshard[monitor]'), or disable {name}")
 
 
+# zero_optimization keys that stage 0 (all-reduced gradients, whole parameters) never reads.
+ZERO_ONLY_KEYS = ("reduce_scatter", "allgather_bucket_size", "allgather_partitions", "contiguous_gradients",
+                  "use_multi_rank_bucket_allreduce", "round_robin_gradients", "compute_grad_norm")
+
+
 def _zeropp_in_use(c: RootConfig) -> list[str]:
     """The ZeRO++ keys set to a value that turns something on."""
     z = c.zero
@@ -146,6 +172,7 @@ def check_support(config: RootConfig) -> list[str]:
             continue
         errors.append(f"{gap.path} = {shown(value)}: not supported yet by zeroshard {version()}; "
                       f"remove it or set it to {gap.fix}")
+    errors += refusals(config, version())
     if errors:
         raise NotSupportedYetError("\n".join(errors))
     check_monitor_libraries(config)
@@ -161,7 +188,8 @@ def check_support(config: RootConfig) -> list[str]:
     if stage < 3 and config.zero_optimization is not None:
         set_keys = config.zero_optimization.model_fields_set
         already = " ".join(ignored)
-        ignored += [_Z + key for key in STAGE3_ONLY_KEYS if key in set_keys and _Z + key not in already]
+        ignored += [_Z + key for key in STAGE3_ONLY_KEYS + (ZERO_ONLY_KEYS if stage == 0 else ())
+                    if key in set_keys and _Z + key not in already]
     if not ignored:
         return []
     return [f"ignored at stage {stage}: " + ", ".join(ignored)
@@ -174,6 +202,21 @@ _ZERO_NO_EFFECT = {  # key: value that differs from DeepSpeed's default and has 
     "round_robin_gradients": True, "parameter_alignment": True,
     "use_multi_rank_bucket_allreduce": False, "load_from_fp32_weights": False,
 }
+
+
+_OFFLOAD_NO_EFFECT = (  # (block, key, why) for offload keys that switch nothing in zeroshard
+    ("offload_param", "max_in_cpu", "zeroshard keeps no host cache of NVMe parameter shards beyond the read-ahead "
+     "buffers (buffer_count x buffer_size)"),
+    ("offload_optimizer", "fast_init", "zeroshard never writes zero states at start-up (a sub-group's states are "
+     "made and written at its first step)"),
+    *(("offload_optimizer", key, "zeroshard reads ahead and writes behind whenever buffer_count allows; the flag "
+       "switches nothing") for key in ("pipeline", "pipeline_read", "pipeline_write")),
+)
+
+
+def _set_on(block: Any, key: str) -> bool:
+    """`key` was written in an offload block that is in use."""
+    return _device(block) is not None and key in block.model_fields_set
 
 
 def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
@@ -201,6 +244,8 @@ def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
     zero = c.zero
     checks += [(getattr(zero, key) == value, f"zero_optimization.{key} = {shown(value)}: no effect in zeroshard")
                for key, value in _ZERO_NO_EFFECT.items()]
+    checks += [(_set_on(block, key), f"zero_optimization.{name}.{key}: {why}") for name, key, why in _OFFLOAD_NO_EFFECT
+               for block in (getattr(zero, name),) if c.stage >= (3 if name == "offload_param" else 1)]
     uses_nvme = "nvme" in (_device(zero.offload_optimizer), _device(zero.offload_param))
     checks.append((c.aio is not None and not uses_nvme, "aio: it configures NVMe offload only, unused here"))
     return checks
@@ -208,4 +253,4 @@ def _ignored_checks(c: RootConfig) -> list[tuple[bool, str]]:
 
 def ignored_notes(config: RootConfig) -> list[str]:
     """Notes for accepted keys that zeroshard does not act on."""
-    return ["ignored: " + text for hit, text in _ignored_checks(config) if hit]
+    return ["ignored: " + text for hit, text in _ignored_checks(config) if hit] + inert_notes(config)

@@ -24,7 +24,7 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return ".".join(str(part) for part in loc)
 
 
-def _homes(root: type[Section], key: str) -> list[str]:
+def key_homes(root: type[Section], key: str) -> list[str]:
     """Dotted paths of the blocks (below the top level too) that have a key named `key`."""
     found: list[str] = []
     stack: list[tuple[type[Section], tuple[str, ...]]] = [(root, ())]
@@ -47,7 +47,7 @@ def _unknown_key(root: type[Section], loc: tuple[Any, ...]) -> str:
     if hint:
         return f"{text}; {hint}"
     model = section_at(root, parent)
-    homes = [h for h in _homes(root, key) if h != (_dotted(parent) or "the top level")]
+    homes = [h for h in key_homes(root, key) if h != (_dotted(parent) or "the top level")]
     if 0 < len(homes) <= 3:
         return f"{text}; {key!r} belongs in {' or '.join(homes)}"
     match = closest(key, model.keys()) if model is not None else None

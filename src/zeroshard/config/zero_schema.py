@@ -56,7 +56,7 @@ class OffloadParamConfig(_OffloadBlock):
     nvme_path: Text | None = _PARAM.nvme_path
     buffer_count: NonNegInt = _PARAM.buffer_count
     buffer_size: PosInt = _PARAM.buffer_size
-    max_in_cpu: NonNegInt = _PARAM.max_in_cpu
+    max_in_cpu: NonNegInt = 1_000_000_000  # no effect in zeroshard (a note says so)
     pin_memory: Bool = _PARAM.pin_memory
 
 
@@ -68,9 +68,9 @@ class OffloadOptimizerConfig(_OffloadBlock):
     buffer_count: NonNegInt = _OPT.buffer_count
     pin_memory: Bool = _OPT.pin_memory
     pipeline: Bool = False
-    pipeline_read: Bool = _OPT.pipeline_read
-    pipeline_write: Bool = _OPT.pipeline_write
-    fast_init: Bool = _OPT.fast_init
+    pipeline_read: Bool = False  # no effect (noted), as pipeline and pipeline_write
+    pipeline_write: Bool = False
+    fast_init: Bool = False  # no effect (noted)
     ratio: Real = Field(default=_OPT.ratio, ge=0.0, le=1.0)
     super_offload: Bool = False
     cpuadam_cores_perc: Real = Field(default=0.8, gt=0.0, le=1.0)

@@ -362,12 +362,7 @@ def prepare_disk(tier: NvmeTier, sizes: list[int], build, group_options: list[di
                 if unwritten else "")
              + (f"; removed {len(tier.removed_stale)} stale run folder(s)" if tier.removed_stale else ""),
              self_test,
-             f"nvme swap: {buffers}",
-             "offload_optimizer.pipeline_read/pipeline_write="
-             f"{str(policy.pipeline_read).lower()}/{str(policy.pipeline_write).lower()}: zeroshard reads ahead and "
-             "writes behind whenever the buffers allow (buffer_count decides, not these flags)",
-             f"offload_optimizer.fast_init={str(policy.fast_init).lower()}: no effect; zeroshard never writes "
-             "zero states at start-up (states are created at a sub-group's first step and written then)",
+             f"nvme swap: {buffers}; reads ahead and writes behind whenever the buffers allow",
              f"offload_optimizer.pin_memory={str(policy.pin_memory).lower()}: "
              + ("swap buffers are page-aligned host memory (no CUDA here to pin for)"
                 if not torch.cuda.is_available() else "swap buffers are page-aligned pageable host memory")]

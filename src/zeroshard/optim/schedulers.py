@@ -5,12 +5,10 @@ moved from DeepSpeed trains with the same learning rate at every step, but built
 on `torch.optim.lr_scheduler.LRScheduler` so torch's own tooling (get_last_lr,
 SequentialLR, checkpointing of plain state dicts) works.
 
-Step indexing. DeepSpeed keeps `last_batch_iteration`, -1 at construction, and
-sets the lr for that iteration at once (the min lr, or 0 for WarmupCosineLR);
-each `step()` after an optimizer step increments it. torch keeps `last_epoch`,
-0 after construction. So here `last_batch_iteration == last_epoch - 1` and the
-lr the k-th optimizer step uses (k = 0, 1, ...) is DeepSpeed's lr at iteration
-k - 1. With log warmup the lr at iterations -1 and 0 are both the min lr.
+Step indexing (optim/lr_base.py): `last_batch_iteration == last_epoch - 1`, and the lr the
+k-th optimizer step uses is DeepSpeed's lr at iteration k - 1 (at -1: the min lr, or 0 for
+WarmupCosineLR). With log warmup the lr at iterations -1 and 0 are both the min lr.
+OneCycle and LRRangeTest are in optim/cycle_schedules.py.
 
 Defaults follow current DeepSpeed: WarmupLR's `warmup_max_lr` defaults to the
 optimizer's lr (of the first group), WarmupDecayLR's to 0.001.
@@ -26,21 +24,13 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from zeroshard.policies import ConfigError, NotSupportedYetError, SchedulerSpec
+from zeroshard.optim.cycle_schedules import LRRangeTest, OneCycle
+from zeroshard.optim.lr_base import DeepSpeedSchedule, per_group
+from zeroshard.policies import ConfigError, SchedulerSpec
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler"]
+__all__ = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler"]
 
 _WARMUP_TYPES = ("log", "linear")
-
-
-def _per_group(optimizer: torch.optim.Optimizer, value: float | Sequence[float], name: str) -> list[float]:
-    """A scalar for every group, or one value per group as DeepSpeed allows."""
-    n = len(optimizer.param_groups)
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ConfigError(f"{name}: expected {n} values (one per param group), got {list(value)}")
-        return [float(v) for v in value]
-    return [float(value)] * n
 
 
 def _check_warmup(warmup_num_steps: Any, warmup_type: str) -> int:
@@ -59,28 +49,19 @@ def _warmup_fraction(it: int, warmup_num_steps: int, warmup_type: str) -> float:
     return it / warmup_num_steps
 
 
-class _DeepSpeedSchedule(LRScheduler):
-    """What DeepSpeed's schedules share: their step counter."""
-
-    @property
-    def last_batch_iteration(self) -> int:
-        """DeepSpeed's step counter: -1 before the first `step()`."""
-        return self.last_epoch - 1
-
-
-class WarmupLR(_DeepSpeedSchedule):
+class WarmupLR(DeepSpeedSchedule):
     """From `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps`, then constant."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
                  warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
-                 warmup_type: str = "log") -> None:
+                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         if warmup_max_lr is None:
             warmup_max_lr = float(optimizer.param_groups[0]["lr"])
-        self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
-        self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
+        self.min_lrs = per_group(optimizer, warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
         self.warmup_type = warmup_type
-        super().__init__(optimizer)
+        super().__init__(optimizer, last_batch_iteration)
 
     def _gamma(self, it: int) -> float:
         if it < self.warmup_num_steps:
@@ -100,9 +81,9 @@ class WarmupDecayLR(WarmupLR):
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int,
                  warmup_min_lr: float | Sequence[float] = 0.0, warmup_max_lr: float | Sequence[float] = 0.001,
-                 warmup_num_steps: int = 1000, warmup_type: str = "log") -> None:
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         self.total_num_steps = int(total_num_steps)
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _gamma(self, it: int) -> float:
         if it < self.warmup_num_steps:
@@ -111,17 +92,18 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, (self.total_num_steps - it) / decay_steps)
 
 
-class WarmupCosineLR(_DeepSpeedSchedule):
+class WarmupCosineLR(DeepSpeedSchedule):
     """Ratio of the optimizer's lr: warmup from `warmup_min_ratio` to 1, cosine down to `cos_min_ratio`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log") -> None:
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
+                 last_batch_iteration: int = -1) -> None:
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
         self.warmup_num_steps = _check_warmup(warmup_num_steps, warmup_type)
         self.warmup_type = warmup_type
-        super().__init__(optimizer)
+        super().__init__(optimizer, last_batch_iteration)
 
     def lr_ratio(self, it: int) -> float:
         if it < 0:
@@ -141,14 +123,12 @@ class WarmupCosineLR(_DeepSpeedSchedule):
 
 
 _SCHEDULERS: dict[str, type[LRScheduler]] = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
-                                              "WarmupCosineLR": WarmupCosineLR}
-_DEEPSPEED_NOT_YET = frozenset({"OneCycle", "LRRangeTest"})
+                                              "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle,
+                                              "LRRangeTest": LRRangeTest}
 
 
 def build_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> LRScheduler:
     """The scheduler `spec` names, over `optimizer`; ConfigError names any bad type or key."""
-    if spec.type in _DEEPSPEED_NOT_YET:
-        raise NotSupportedYetError(f"scheduler type {spec.type!r} is not built yet; use one of {sorted(_SCHEDULERS)}")
     if spec.type not in _SCHEDULERS:
         raise ConfigError(f"unknown scheduler type {spec.type!r}; valid types: {sorted(_SCHEDULERS)}")
     params = dict(spec.params)

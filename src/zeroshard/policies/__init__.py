@@ -5,15 +5,16 @@ from zeroshard.policies.errors import (
     ZeroShardError,
 )
 from zeroshard.policies.settings import (
-    HIDDEN_SIZE_AUTO, MONITOR_LIBRARIES, ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, LossScalePolicy,
-    OffloadDevice, OffloadPolicy, OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy, SchedulerSpec, Settings,
-    Stage, Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
+    HIDDEN_SIZE_AUTO, MONITOR_LIBRARIES, ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, GradientReducePolicy,
+    LossScalePolicy, OffloadDevice, OffloadPolicy, OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy,
+    SchedulerSpec, Settings, Stage, Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
 )
 
 __all__ = [
     "HIDDEN_SIZE_AUTO", "MONITOR_LIBRARIES", "ActivationOffloadPolicy", "AioPolicy", "NvmeError", "NvmeSpaceError",
     "BatchPolicy", "CheckpointError", "CommError", "CommTimeoutError", "CommsLoggerPolicy",
-    "ConfigError", "LossScalePolicy", "NotSupportedYetError", "OffloadDevice", "OffloadPolicy",
+    "ConfigError", "GradientReducePolicy", "LossScalePolicy", "NotSupportedYetError", "OffloadDevice",
+    "OffloadPolicy",
     "OptimizerSpec", "Precision", "PrecisionPolicy", "RuntimePolicy", "SchedulerSpec", "Settings",
     "Stage", "Stage3Policy", "ZeroPlusPlusPolicy", "ZeroPolicy", "ZeroShardError",
 ]

@@ -73,9 +73,46 @@ class PrecisionPolicy:
 
     compute: Precision = Precision.FP32
     reduce: Precision = Precision.FP32
-    master: Precision = Precision.FP32
-    optimizer_states: Precision = Precision.FP32
     loss_scale: LossScalePolicy | None = None  # set iff compute is fp16
+    # dtype the reduced gradient shards accumulate in across micro-steps (stages 2-3; None: the
+    # compute dtype): DeepSpeed's data_types.grad_accum_dtype "fp32" with bf16 / fp16
+    grad_accum: Precision | None = None
+
+    # Not settings: zeroshard keeps fp32 masters and optimizer states whatever the config says
+    # (bf16_master_weights_and_grads / bf16_optimizer_states are refused), so nothing sets them.
+    @property
+    def master(self) -> Precision:
+        return Precision.FP32
+
+    @property
+    def optimizer_states(self) -> Precision:
+        return Precision.FP32
+
+
+@dataclass(frozen=True)
+class GradientReducePolicy:
+    """How the ranks' gradients are combined: DeepSpeed's `gradient_allreduce_op`,
+    `prescale_gradients` and `gradient_predivide_factor`, which act as in DeepSpeed's
+    `allreduce_bucket`: "sum" adds the ranks' gradients (N x the mean); `prescale` divides
+    each rank's gradient by N before the sum; `predivide_factor` f divides by f before the sum
+    and multiplies by f / N after. Every "mean" form is the mean: they differ only in where
+    an fp16 sum may overflow or lose digits."""
+
+    average: bool = True
+    prescale: bool = False
+    predivide_factor: float = 1.0
+
+    def factors(self, world_size: int, collective_can_average: bool) -> tuple[float, float, bool]:
+        """(multiplier before the sum, multiplier after it, whether the collective averages)."""
+        n = world_size
+        if n == 1 or not self.average:
+            return 1.0, 1.0, False
+        if self.prescale:
+            return 1.0 / n, 1.0, False
+        if self.predivide_factor != 1.0:
+            f = self.predivide_factor
+            return 1.0 / f, (f / n if f != n else 1.0), False
+        return (1.0, 1.0, True) if collective_can_average else (1.0 / n, 1.0, False)
 
 
 @dataclass(frozen=True)
@@ -87,10 +124,6 @@ class OffloadPolicy:
     pin_memory: bool = True
     buffer_count: int = 4
     buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
     ratio: float = 1.0
 
 
@@ -222,6 +255,7 @@ class Settings:
     optimizer: OptimizerSpec | None = None
     scheduler: SchedulerSpec | None = None
     gradient_clipping: float = 0.0  # 0 = no clipping
+    gradient_reduce: GradientReducePolicy = field(default_factory=GradientReducePolicy)
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
     comms_logger: CommsLoggerPolicy = field(default_factory=CommsLoggerPolicy)

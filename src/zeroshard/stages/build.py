@@ -163,13 +163,13 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
     """The gradient strategy of the stage."""
     zero = settings.zero
     common = dict(reduce_dtype=settings.precision.reduce.dtype, overlap=zero.overlap_comm,
-                  ignore_unused=zero.ignore_unused_parameters)
+                  ignore_unused=zero.ignore_unused_parameters, scaling=settings.gradient_reduce)
     if zero.stage == Stage.DATA_PARALLEL:
         return AllReducedGradients(buckets, comm, memory, **common)
     if zero.stage == Stage.OPTIMIZER_STATES:
         return ScatteredGradients(buckets, comm, memory, use_all_reduce=not zero.reduce_scatter, **common)
     if zero.stage in (Stage.GRADIENTS, Stage.PARAMETERS):
-        reducer = None
+        reducer, accum = None, settings.precision.grad_accum.dtype if settings.precision.grad_accum else None
         if zero.stage == Stage.PARAMETERS and zero.zeropp.quantized_gradients and comm.world_size > 1:
             # qgZ: the reduce-scatter becomes a 2-hop quantized all-to-all (it replaces the
             # all-reduce of reduce_scatter=false as well: it is the reduction)
@@ -177,7 +177,7 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
             reducer = QuantizedHierarchicalReduceScatter(comm, hierarchy)
         return PartitionedGradients(buckets, comm, memory, contiguous=zero.contiguous_gradients,
                                     use_all_reduce=not zero.reduce_scatter and reducer is None, reducer=reducer,
-                                    pool=pool, max_in_flight=MAX_IN_FLIGHT, **common)
+                                    pool=pool, max_in_flight=MAX_IN_FLIGHT, accum_dtype=accum, **common)
     raise NotSupportedYetError(f"zero_optimization.stage = {int(zero.stage)}: not supported")
 
 

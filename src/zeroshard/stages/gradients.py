@@ -11,8 +11,9 @@ choose only where the gradient lives and which collective reduces it:
   and 3                            micro-step into a persistent shard accumulator (stage 3: a
                                    unit's buckets, reduced as its backward ends; qgZ's reducer)
 
-Gradients are pre-divided by the world size before the sum, so a reduced gradient is
-the mean over ranks (and fp16 sums do not overflow).
+Gradients are pre-divided by the world size before the sum (or the collective averages),
+so a reduced gradient is the mean over ranks (and fp16 sums do not overflow), unless the
+config's GradientReducePolicy asks for DeepSpeed's other forms (sum, prescale, predivide).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from zeroshard.comm import Comm, Handle
 from zeroshard.partition import FlatBucket, MemoryLedger, slot_views
 from zeroshard.partition.buffer_pool import empty_from
-from zeroshard.policies import ZeroShardError
+from zeroshard.policies import GradientReducePolicy, ZeroShardError
 from zeroshard.stages.hooks import Hooks
 
 # stages 2 and 3: buckets whose reduction may still run when the next one launches; with 1, at
@@ -65,8 +66,9 @@ class BucketedGradients:
     reduces_every_micro_step = False  # else only at the accumulation boundary
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, memory: MemoryLedger,
-                 reduce_dtype: torch.dtype, overlap: bool, ignore_unused: bool) -> None:
-        self.buckets, self.comm, self.memory = buckets, comm, memory
+                 reduce_dtype: torch.dtype, overlap: bool, ignore_unused: bool,
+                 scaling: GradientReducePolicy = GradientReducePolicy()) -> None:
+        self.buckets, self.comm, self.memory, self.scaling = buckets, comm, memory, scaling
         self.reduce_dtype, self.overlap, self.ignore_unused = reduce_dtype, overlap, ignore_unused
         self._state = _MicroState()
         self._pending: list[_Pending] = []
@@ -130,14 +132,17 @@ class BucketedGradients:
     def _launch(self, b: int) -> None:
         self._state.launched[b] = True
         full = self._full_grad(b)
-        if self.comm.world_size > 1 and not self._averaged_by_collective():
-            full.mul_(1.0 / self.comm.world_size)
+        before, after, average = self.scaling.factors(self.comm.world_size, self._can_average())
+        if before != 1.0:
+            full.mul_(before)
         wire = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)
         if wire is not full:
             self.memory.hold("comm_buffers", f"wire{b}", wire.nbytes)
-        handle, land = self._collective(b, wire)
+        handle, land, out = self._collective(b, wire, average)
 
         def finish() -> None:
+            if after != 1.0:
+                out.mul_(after)  # in the wire's dtype, as DeepSpeed's post-scaling
             if wire is not full:
                 land(wire, full)
                 self.memory.release("comm_buffers", f"wire{b}")
@@ -165,13 +170,14 @@ class BucketedGradients:
     def _full_grad(self, b: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def _averaged_by_collective(self) -> bool:
-        """Whether the collective returns the mean itself (else the gradient is divided by
+    def _can_average(self) -> bool:
+        """Whether the collective can return the mean itself (else the gradient is divided by
         the world size before it is summed)."""
         return False
 
-    def _collective(self, b: int, wire: torch.Tensor):
-        """Issue the reduction; return (handle, copy-back function for a cast wire buffer)."""
+    def _collective(self, b: int, wire: torch.Tensor, average: bool):
+        """Issue the reduction (the mean when `average`, else the sum); return (handle,
+        copy-back function for a cast wire buffer, the tensor the reduced values land in)."""
         raise NotImplementedError
 
     def _after_reduce(self, b: int, full: torch.Tensor) -> None:
@@ -230,9 +236,9 @@ class AllReducedGradients(_PersistentGradients):
     partitioned = False
     publishes_params = False
 
-    def _collective(self, b, wire):
+    def _collective(self, b, wire, average):
         handle = self.comm.all_reduce(wire, what=f"gradients of {self.buckets[b].label}")
-        return handle, lambda w, full: full.copy_(w)
+        return handle, lambda w, full: full.copy_(w), wire
 
     def grad_shard(self, b: int) -> torch.Tensor:
         return self.grads[b]
@@ -249,7 +255,7 @@ class _Scatter:
     buckets: list[FlatBucket]
     comm: Comm
 
-    def _averaged_by_collective(self) -> bool:
+    def _can_average(self) -> bool:
         return not self.use_all_reduce and self.reducer is None  # Comm.reduce_scatter(average=True)
 
     def _landing(self, b: int, wire: torch.Tensor) -> torch.Tensor:
@@ -257,16 +263,18 @@ class _Scatter:
         lo, hi = self.buckets[b].shard_range
         return wire[lo:hi]
 
-    def _collective(self, b, wire):
+    def _collective(self, b, wire, average):
         lo, hi = self.buckets[b].shard_range
         what = f"gradients of {self.buckets[b].label}"
+        out = wire[lo:hi]
         if self.use_all_reduce:
             handle = self.comm.all_reduce(wire, what=what)
         elif self.reducer is not None:
-            handle = self.reducer.reduce_scatter(wire[lo:hi], wire, what=what)
+            handle = self.reducer.reduce_scatter(out, wire, what=what)
         else:
-            handle = self.comm.reduce_scatter(self._landing(b, wire), wire, what=what, average=True)
-        return handle, lambda w, full: full[lo:hi].copy_(w[lo:hi])
+            out = self._landing(b, wire)
+            handle = self.comm.reduce_scatter(out, wire, what=what, average=average)
+        return handle, lambda w, full: full[lo:hi].copy_(w[lo:hi]), out
 
 
 class ScatteredGradients(_Scatter, _PersistentGradients):
@@ -290,11 +298,12 @@ class PartitionedGradients(_Scatter, BucketedGradients):
     reduces_every_micro_step = True
 
     def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False,
-                 max_in_flight: int = MAX_IN_FLIGHT, reducer=None, pool=None, **kwargs) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, reducer=None, pool=None, accum_dtype=None, **kwargs) -> None:
         self.contiguous, self.use_all_reduce, self.max_in_flight = contiguous, use_all_reduce, max_in_flight
         self.reducer, self.pool = reducer, pool  # pool: a BufferPool for the full buffers, or None
         super().__init__(*args, **kwargs)
-        self.shards = [torch.zeros(b.layout.shard_numel, dtype=b.dtype, device=b.device) for b in self.buckets]
+        self.shards = [torch.zeros(b.layout.shard_numel, dtype=accum_dtype or b.dtype, device=b.device)
+                       for b in self.buckets]  # accum_dtype: data_types.grad_accum_dtype
         for shard, bucket in zip(self.shards, self.buckets):
             self.memory.hold("grads", f"{bucket.key}.shard", shard.nbytes)
         self._full: dict[int, torch.Tensor] = {}
