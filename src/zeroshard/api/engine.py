@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import gc
 import time
 from collections import defaultdict
 from typing import Any, Callable
@@ -332,3 +333,7 @@ class Engine(EngineSurface):
         self.activation_offload.close()  # its files go
         self.monitors.close()
         self.topology.destroy()
+        # the engine's parts refer to each other (hooks, the ledger, the optimizer), so the process
+        # groups it released stay alive, with their gloo threads and sockets, until the next cyclic
+        # collection: collect now (a loop of 20 engines grew to 5 live groups, 45 fds, 27 threads)
+        gc.collect()
