@@ -1,6 +1,7 @@
-"""DeepSpeed's monitors (issue 45): `csv_monitor`, `tensorboard` and `wandb` (offline) sections
+"""DeepSpeed's monitors (issue 45): `csv_monitor`, `tensorboard`, `wandb` and `comet` (offline) sections
 turn on writers on rank 0; a 20-step run on 2 ranks writes files that each writer's own reader
-parses back (the csv module, TensorBoard's EventAccumulator, W&B's offline run file), and the
+parses back (the csv module, TensorBoard's EventAccumulator, W&B's offline run file, Comet's
+offline archive), and the
 events equal what the engine saw: rank 0's loss averaged over the accumulation window, the lr,
 the bytes each collective sent in the step (the traffic ledger) and the memory ledger, keyed by
 samples seen. A section enabled without its library: one error when the config loads, and
@@ -27,8 +28,11 @@ def _config(out: str, world: int, sections: tuple[str, ...]) -> dict:
     cfg = config_for(CASE, world)
     cfg["wall_clock_breakdown"] = True
     for name in sections:
-        cfg[name] = {"enabled": True, "output_path": out, "job_name": "job"} if name != "wandb" else \
-            {"enabled": True, "project": "zs-test"}
+        cfg[name] = {"enabled": True, "output_path": out, "job_name": "job"}
+    if "wandb" in sections:
+        cfg["wandb"] = {"enabled": True, "project": "zs-test"}
+    if "comet" in sections:  # every 16 samples: each other step (8 samples a step)
+        cfg["comet"] = {"enabled": True, "project": "zs-test", "online": False, "samples_log_interval": 16}
     return cfg
 
 
@@ -36,7 +40,7 @@ def _train(rank: int, world: int, out: str, sections: tuple[str, ...]) -> dict:
     """20 optimizer steps of 2 micro-steps; what the engine saw at each step."""
     import zeroshard
 
-    os.environ.update(WANDB_MODE="offline", WANDB_DIR=out, WANDB_SILENT="true")
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=out, WANDB_SILENT="true", COMET_OFFLINE_DIRECTORY=out)
     engine = zeroshard.initialize(make_model(CASE), _config(out, world, sections))
     seen = []
     lo, hi = rank * 2, (rank + 1) * 2  # oracle.MICRO samples per rank
@@ -153,6 +157,33 @@ def test_wandb_offline_run_holds_the_events(tmp_path):
                 if key.startswith("Train/Samples/"):
                     series.setdefault(key[len("Train/Samples/"):], {})[step] = float(value)
     _check(seen, series, rel=1e-12)
+
+
+def test_comet_offline_experiment_holds_every_other_step(tmp_path):
+    """comet (online: false) writes an offline experiment archive; its messages.json (what
+    `comet upload` sends) holds each event at the samples_log_interval DeepSpeed's CometMonitor
+    keeps: 16 samples, so every other step of 8."""
+    pytest.importorskip("comet_ml")
+    import json
+    import zipfile
+
+    out = str(tmp_path)
+    seen = run_ranks(_train, 2, out, ("comet",), timeout=300)[0]["seen"]
+    archives = glob.glob(os.path.join(out, "*.zip"))
+    assert len(archives) == 1, archives  # rank 0's experiment only
+    series: dict[str, dict[int, float]] = {}
+    with zipfile.ZipFile(archives[0]) as z:
+        for line in z.read("messages.json").decode().splitlines():
+            msg = json.loads(line)
+            metric = msg["payload"].get("metric") if msg.get("type") == "metric_msg" else None
+            if metric and metric["metricName"].startswith("Train/Samples/"):
+                series.setdefault(metric["metricName"][len("Train/Samples/"):], {})[metric["step"]] = \
+                    float(metric["metricValue"])
+    kept = seen[::2]  # samples 8, 24, 40, ...: 16 or more since the event was last sent
+    assert sorted(series["train_loss"]) == [s["samples"] for s in kept]
+    for s in kept:
+        assert series["train_loss"][s["samples"]] == pytest.approx(s["train_loss"], rel=1e-12)
+        assert series["lr"][s["samples"]] == pytest.approx(s["lr"], rel=1e-12)
 
 
 def test_a_monitor_without_its_library_is_one_error_before_any_rank(tmp_path, monkeypatch):
