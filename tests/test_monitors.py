@@ -229,3 +229,30 @@ def test_zeroshard_train_flags_turn_the_monitors_on(tmp_path):
     assert {"Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/comm_sent_bytes/all_gather",
             "Train/Samples/memory_bytes/params"} <= set(tags)
     assert [e.step for e in acc.Scalars("Train/Samples/train_loss")] == [16 * (i + 1) for i in range(12)]
+
+
+def test_wall_clock_breakdown_prints_milliseconds_per_step(caplog):
+    """wall_clock_breakdown: every steps_per_print steps, forward / backward / reduce / step
+    milliseconds per step over those steps (not totals since the start)."""
+    import logging
+
+    import zeroshard
+
+    cfg = {**config_for(CASE.with_(stage=2, gas=1), 1), "wall_clock_breakdown": True, "steps_per_print": 2}
+    engine = zeroshard.initialize(make_model(CASE), cfg)
+    with caplog.at_level(logging.INFO, logger="zeroshard"):
+        for step in range(6):
+            x, y = batch(CASE, step, 1)
+            engine.backward(loss_of(engine, x[:2], y[:2]))
+            engine.step()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("time per step (ms")]
+    assert len(lines) == 3, lines
+    totals, summed = engine.timers(), {"forward": 0.0, "step": 0.0}
+    for line in lines:
+        ms = {k: float(v) for k, v in (part.split() for part in line.split(": ", 1)[1].split(", "))}
+        assert set(ms) == {"forward", "backward", "reduce", "step"} and ms["forward"] > 0 and ms["step"] > 0
+        for k in summed:
+            summed[k] += 2 * ms[k]
+    for k in summed:  # means over each 2 steps add up to the whole run's time (printed to 0.1 ms)
+        assert summed[k] == pytest.approx(totals[k] * 1000, abs=0.4), (k, summed[k], totals[k])
+    engine.close()

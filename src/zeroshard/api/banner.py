@@ -140,6 +140,18 @@ def log_startup(run: Assembled, topo: Topology, lr_scheduler: Any, memory: dict[
         log.info(line)
 
 
+REDUCE_OPS = ("reduce_scatter", "all_reduce", "all_to_all")  # gradient reductions (qgZ: all-to-all)
+
+
+def wall_clock_per_step(engine, steps: int) -> dict[str, float]:
+    """Milliseconds per step in forward, backward, reduce (the gradient collectives' time in the
+    traffic ledger, inside backward where it overlaps) and step, over the last `steps` steps."""
+    now = {**engine.timers(), "reduce": sum(engine.comm.ledger.lifetime()[op]["seconds"] for op in REDUCE_OPS)}
+    last = getattr(engine, "_wall_clock_printed", {})
+    engine._wall_clock_printed = now
+    return {k: (now.get(k, 0.0) - last.get(k, 0.0)) * 1000.0 / steps for k in ("forward", "backward", "reduce", "step")}
+
+
 def log_step(engine) -> None:
     """Every `steps_per_print` steps on rank 0: lr, norm, loss scale, skipped steps, memory;
     with wall_clock_breakdown the timers, with comms_logger the collectives."""
@@ -152,7 +164,8 @@ def log_step(engine) -> None:
              engine.get_global_grad_norm() or 0.0, engine.loss_scale, engine.skipped_steps,
              human_bytes(mem["params"]), human_bytes(mem["grads"]), human_bytes(mem["optimizer_states"]))
     if engine.settings.wall_clock_breakdown:
-        log.info("time (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in engine.timers().items()))
+        log.info("time per step (ms, mean of the last %d): %s", every, ", ".join(
+            f"{k} {v:.1f}" for k, v in wall_clock_per_step(engine, every).items()))
     if engine.settings.comms_logger.enabled:
         for op, s in engine.comm_stats().items():
             if s["calls"]:
