@@ -46,7 +46,7 @@ def _cycles(rank: int, world: int, own_group: bool, stage: int) -> list[tuple]:
     return seen
 
 
-@pytest.mark.parametrize("own_group, stage", [(False, 3), (True, 2)])
+@pytest.mark.parametrize("own_group, stage", [pytest.param(False, 3, marks=pytest.mark.slow), (True, 2)])
 def test_twenty_engines_in_one_process_leave_nothing_behind(own_group, stage):
     for seen in run_ranks(_cycles, 2, own_group, stage, timeout=600):
         assert all(s[0] == own_group for s in seen)  # close() destroys only the group it made
