@@ -41,6 +41,8 @@ def _common():
 
 
 common = _common()
+pytestmark = pytest.mark.recorded  # compares with what DeepSpeed computed (tests/fixtures/grad_reduce)
+
 with open(os.path.join(FIX, "reference.json")) as f:
     REFERENCE = json.load(f)
 NAMES = [c[0] for c in common.CASES]

@@ -13,7 +13,7 @@ import pytest
 
 from hf_launch import launch
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.recorded]  # DDP figures recorded on another machine
 SCRIPT = "trainer_ref_model.py"
 # plain DDP, 2 ranks x 4 sequences, 6 steps; syncs after steps 3 and 6, generations after 2, 4, 6
 DDP = {"losses": [0.6931471824645996, 0.6632634997367859, 0.6591520309448242, 0.6325629949569702,
