@@ -61,9 +61,9 @@ L = "cli/"
 
 MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- stages
-    Mutant("stage0-not-averaged", "stages (0-2)", S + "gradients.py",
-           "            full.mul_(1.0 / self.comm.world_size)",
-           "            full.mul_(1.0)",
+    Mutant("stage0-not-averaged", "stages (0-2)", "policies/settings.py",
+           "        return (1.0, 1.0, True) if collective_can_average else (1.0 / n, 1.0, False)",
+           "        return (1.0, 1.0, False)",
            "stage 0 (all-reduce) sums gradients over ranks instead of averaging",
            ("tests/test_stages_oracle.py",)),
     Mutant("qgz-sums", "stages (qgZ)", S + "gradients.py",
@@ -81,7 +81,7 @@ MUTANTS: list[Mutant] = [
            "                return distance <= self.policy.max_reuse_distance and \\\n",
            "stage 3 keeps a unit at reuse distance 0 (max_reuse_distance 0 no longer releases): 2 x Phi gathers become fewer",
            ("tests/test_stage3_ledgers.py",)),
-    Mutant("stage3-linear-saves-view", "stages (stage 3)", S + "stage3.py",
+    Mutant("stage3-linear-saves-view", "stages (stage 3)", S + "outside_reads.py",
            "        if func is F.linear and self.runtime.policy.memory_efficient_linear:",
            "        if False:",
            "stage 3 keeps torch's linear: its saved weight views hold every released unit's full buffer until backward",
