@@ -61,6 +61,19 @@ def test_kill_fires_at_its_rank_and_step(monkeypatch, calls):
     assert calls == []
 
 
+def test_hold_fires_at_its_rank_and_step_in_the_first_attempt(monkeypatch, calls):
+    monkeypatch.setenv(faults.ENV, "hold:2:3")
+    _run_kill(0, 0)  # another rank
+    _run_kill(2, 1)  # torchrun's restarted attempt
+    assert calls == []
+    hook = faults.kill_hook(2, 0)
+    for step in range(3):
+        hook(step)
+    assert calls == []
+    hook(3)
+    assert calls == [("write", 2, "zeroshard-fault-held rank 2 step 3\n"), ("sleep", faults.PAUSE_S)]
+
+
 def test_a_point_armed_for_another_point_does_nothing(monkeypatch, calls):
     monkeypatch.setenv(faults.ENV, "kill:0:0")
     faults.pause("kill")

@@ -6,6 +6,8 @@ point; unset, every point is a no-op. Tests arm a child with `env.update(setting
                         latest), says so on stderr and waits PAUSE_S, for a test to kill it
     kill:<rank>:<step>  `zeroshard train`'s rank <rank> sends itself SIGKILL just before step
                         <step> (0-based), in torchrun's first attempt only
+    hold:<rank>:<step>  `zeroshard train`'s rank <rank> stops just before step <step>, says so on
+                        stderr and waits PAUSE_S (first attempt only), for a test to kill its node
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from typing import Callable
 
 from zeroshard.policies import ConfigError
 
-__all__ = ["ENV", "KILL", "PAUSE", "PAUSE_S", "armed", "kill_hook", "pause", "setting"]
+__all__ = ["ENV", "HOLD", "KILL", "PAUSE", "PAUSE_S", "armed", "kill_hook", "pause", "setting"]
 
 ENV = "ZEROSHARD_FAULT"
-PAUSE, KILL = "pause", "kill"
+PAUSE, KILL, HOLD = "pause", "kill", "hold"
 PAUSE_S = 120.0
 
 
@@ -43,20 +45,26 @@ def pause(phase: str) -> None:
 
 
 def kill_hook(rank: int, restart: int) -> Callable[[int], None]:
-    """Point `kill` for `rank` in torchrun's attempt `restart`: a function of the step about to
-    run, a no-op unless the point names this rank and this is the first attempt (restart 0)."""
-    spec = armed(KILL)
+    """Points `kill` and `hold` for `rank` in torchrun's attempt `restart`: a function of the step
+    about to run, a no-op unless a point names this rank and this is the first attempt (restart 0)."""
+    point = KILL if armed(KILL) is not None else HOLD
+    spec = armed(point)
     if spec is None:
         return lambda step: None
     try:
         who, at = (int(part) for part in spec.split(":"))
     except ValueError:
-        raise ConfigError(f"{ENV}={KILL}:{spec}: expected RANK:STEP after '{KILL}:', e.g. {KILL}:1:6") from None
+        raise ConfigError(f"{ENV}={point}:{spec}: expected RANK:STEP after '{point}:', e.g. {point}:1:6") from None
     if who != rank or restart:
         return lambda step: None
 
     def check(step: int) -> None:
-        if step == at:
+        if step != at:
+            return
+        if point == KILL:
             os.kill(os.getpid(), signal.SIGKILL)
+            return
+        os.write(2, f"zeroshard-fault-held rank {rank} step {step}\n".encode())
+        time.sleep(PAUSE_S)
 
     return check

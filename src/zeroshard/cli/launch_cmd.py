@@ -28,7 +28,14 @@ real tool (cli/multinode.py has the exact command lines):
 --include/--exclude HOST[:SLOTS][@HOST...], --num_nodes, --num_gpus pick from the hostfile;
 --launcher_args "..." go to the tool; --no_ssh runs this node's share only (--node_rank I).
 Without --launcher, a hostfile of several hosts uses pdsh (DeepSpeed's default) and one host
-runs here. Elastic --nnodes MIN:MAX is not supported.
+runs here.
+
+Elastic: `--nnodes MIN:MAX` runs torchrun's c10d rendezvous at --master-addr:--master-port (the
+same on every node; --node-rank is assigned). A node that dies stops its peers' ranks; torchrun
+starts them again (--max-restarts, 3 unless given) on the nodes left, as long as MIN remain, and
+a node that joins is taken in the same way. The script resumes from its last checkpoint at the
+new world size (zeroshard's checkpoints reshard on load; `zeroshard train` does it, keeping the
+global batch by changing the gradient accumulation): docs/clusters.md, "Elastic jobs".
 """
 
 from __future__ import annotations
@@ -44,10 +51,11 @@ from zeroshard.cli import deepspeed_shadow, multinode
 from zeroshard.cli.hostfile import HostfileError, active_resources, parse_hostfile
 from zeroshard.cli.launch_config import config_problem
 
-__all__ = ["add_rendezvous_arguments", "apply_deepspeed_flags", "check_nproc", "rank_target", "register", "run_torchrun",
-           "torchrun_command"]
+__all__ = ["add_rendezvous_arguments", "apply_deepspeed_flags", "check_nproc", "elastic", "elastic_note", "rank_target",
+           "register", "run_torchrun", "torchrun_command"]
 
 _LOCAL_HOSTS = ("localhost", "127.0.0.1")
+ELASTIC_RESTARTS = 3  # --max-restarts of an elastic job that gives none: each lost or new node costs one
 
 
 def register(subparsers) -> None:
@@ -63,14 +71,49 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+class _Nnodes(argparse.Action):
+    """`--nnodes N` or `--nnodes MIN:MAX` (elastic): `nnodes` is N or MAX, `min_nnodes` N or MIN."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        low, sep, high = str(value).partition(":")
+        try:
+            lo, hi = int(low), int(high if sep else low)
+        except ValueError:
+            parser.error(f"--nnodes {value}: expected a number of nodes N or an elastic range MIN:MAX, e.g. 1:4")
+        if not 1 <= lo <= hi:
+            parser.error(f"--nnodes {value}: MIN must be at least 1 and at most MAX")
+        namespace.nnodes, namespace.min_nnodes = hi, lo
+
+
+def elastic(args: argparse.Namespace) -> bool:
+    """True for `--nnodes MIN:MAX` with MIN < MAX (torchrun's elastic rendezvous)."""
+    return getattr(args, "min_nnodes", args.nnodes) < args.nnodes
+
+
+def elastic_note(args: argparse.Namespace) -> str | None:
+    """The line that says what an elastic job chose where the command line was silent."""
+    if not elastic(args):
+        return None
+    restarts = ELASTIC_RESTARTS if args.max_restarts is None else args.max_restarts
+    chosen = " (the default for an elastic job)" if args.max_restarts is None else ""
+    return (f"elastic job: {args.min_nnodes} to {args.nnodes} nodes of {args.nproc} ranks, rendezvous "
+            f"{args.rdzv_id!r} at {args.master_addr}:{args.master_port}; up to {restarts} restarts{chosen}, "
+            "each lost or joining node costs one")
+
+
 def add_rendezvous_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    p.add_argument("--nnodes", action=_Nnodes, default=1, metavar="N|MIN:MAX",
+                   help="nodes in the job (default 1); MIN:MAX for an elastic job that goes on while MIN remain")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default 0)")
     p.add_argument("--master-addr", help="address of node 0, reachable from every node (multi-node)")
     p.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
                    help="when a rank fails, stop every rank and start them again, up to N times "
-                        "(torchrun's --max-restarts; default 0)")
+                        "(torchrun's --max-restarts; default 0, and 3 for --nnodes MIN:MAX)")
+    p.add_argument("--rdzv-id", default="zeroshard", metavar="ID",
+                   help="--nnodes MIN:MAX: the job's name in the rendezvous, the same on every node (default zeroshard)")
+    p.add_argument("--rdzv-conf", default=None, metavar="K=V,...",
+                   help="--nnodes MIN:MAX: torchrun's rendezvous settings, e.g. last_call_timeout=10,join_timeout=600")
 
 
 def add_deepspeed_launcher_arguments(p: argparse.ArgumentParser) -> None:
@@ -171,13 +214,23 @@ def check_nproc(nproc: int) -> str | None:
 def check_rendezvous(args: argparse.Namespace) -> str | None:
     if args.nnodes < 1:
         return f"--nnodes must be at least 1, got {args.nnodes}"
+    if elastic(args):
+        if not args.master_addr:
+            return (f"--nnodes {args.min_nnodes}:{args.nnodes} needs --master-addr: the host of the rendezvous, "
+                    "the same on every node")
+        if args.node_rank:
+            return (f"--nnodes {args.min_nnodes}:{args.nnodes}: the rendezvous numbers the nodes; drop "
+                    f"--node-rank {args.node_rank}")
+        if getattr(args, "max_restarts", None) == 0:
+            return (f"--nnodes {args.min_nnodes}:{args.nnodes} with --max-restarts 0 would end the job at the "
+                    "first lost node; give --max-restarts N (N > 0) or a fixed --nnodes")
     if not 0 <= args.node_rank < args.nnodes:
         return f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} (--nnodes {args.nnodes})"
     if args.nnodes > 1 and not args.master_addr:
         return f"--nnodes {args.nnodes} needs --master-addr (the address of node 0)"
     if not 0 < args.master_port < 65536:
         return f"--master-port {args.master_port} is not a TCP port"
-    if getattr(args, "max_restarts", 0) < 0:
+    if (getattr(args, "max_restarts", 0) or 0) < 0:
         return f"--max-restarts must be 0 or more, got {args.max_restarts}"
     return check_outer_launcher(args.nnodes)
 
@@ -202,15 +255,22 @@ def torchrun_command(args: argparse.Namespace, target: list[str]) -> list[str]:
     """`python -m torch.distributed.run ...` for `target` (a script or `-m module` and its args),
     through zeroshard.cli.torchrun_main (the same torchrun; a stop or failure without tracebacks).
 
-    One node without --master-addr: `--standalone` (a free port on localhost). Otherwise the
-    static rendezvous every node runs with the same --master-addr/--master-port."""
+    One node without --master-addr: `--standalone` (a free port on localhost); `--nnodes MIN:MAX`:
+    the c10d rendezvous at --master-addr:--master-port; otherwise the static rendezvous every node
+    runs with the same --master-addr/--master-port."""
     cmd = [sys.executable, "-m", "zeroshard.cli.torchrun_main"]  # torch.distributed.run, quieter
-    if args.nnodes == 1 and not args.master_addr:
+    restarts = getattr(args, "max_restarts", None)
+    if elastic(args):
+        cmd += [f"--nnodes={args.min_nnodes}:{args.nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={args.master_addr}:{args.master_port}", f"--rdzv-id={args.rdzv_id}"]
+        if args.rdzv_conf:
+            cmd.append(f"--rdzv-conf={args.rdzv_conf}")
+        restarts = ELASTIC_RESTARTS if restarts is None else restarts
+    elif args.nnodes == 1 and not args.master_addr:
         cmd.append("--standalone")
     else:
         cmd += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
                 f"--master-addr={args.master_addr}", f"--master-port={args.master_port}"]
-    restarts = getattr(args, "max_restarts", 0)
     if restarts:
         cmd.append(f"--max-restarts={restarts}")
     return [*cmd, f"--nproc-per-node={args.nproc}", *target]
@@ -322,6 +382,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"zeroshard launch: {problem}", file=sys.stderr)
         return 2
     print(served_line, flush=True)  # a notice, not an error: stdout
+    if elastic_note(args):
+        print(f"zeroshard launch: {elastic_note(args)}", flush=True)
     extra_env = {**extra_env, **getattr(args, "launcher_env", {}), **served_env}
     target = ["-m", args.script] if args.module else [args.script]
     return run_torchrun(torchrun_command(args, rank_target([*target, *args.script_args])), extra_env)

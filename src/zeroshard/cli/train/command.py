@@ -14,8 +14,8 @@ import contextlib
 import os
 import sys
 
-from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, rank_target, \
-    run_torchrun, torchrun_command
+from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, elastic_note, \
+    rank_target, run_torchrun, torchrun_command
 from zeroshard.cli.train.args import add_train_arguments, resolve_defaults, worker_argv
 
 
@@ -82,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from zeroshard.cli.train.config import filled_from_default
 
-    for note in filled_from_default(args):
-        print(f"zeroshard train: {note}", flush=True)
+    for note in [*filled_from_default(args), elastic_note(args)]:
+        if note:
+            print(f"zeroshard train: {note}", flush=True)
     if args.verbose:  # the ranks inherit it (zeroshard.api.banner.verbose)
         os.environ["ZEROSHARD_VERBOSE"] = "1"
     target = rank_target(["-m", "zeroshard.cli.train.worker", *worker_argv(args)])

@@ -31,7 +31,13 @@ def check_data(data: str | None) -> str | None:
 
 
 def rank_batch(tokens: torch.Tensor, micro: int, seq_len: int, index: int, rank: int, world: int,
-               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s rows of global micro-batch number `index` (see zeroshard.models.data)."""
-    x, y = global_batch(tokens, micro, seq_len, index, world, seed)
-    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+               seed: int, micro_step: int = 0, accumulation: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows of micro-step `micro_step` of global batch number `index` (see
+    zeroshard.models.data). A global batch is world x accumulation x micro rows drawn at once, so
+    the samples of an optimizer step do not depend on how they are split: world 4 with no
+    accumulation and world 2 accumulating 2 micro-steps train on the same rows (an elastic
+    restart at a new world size keeps its data). With accumulation 1 this is the batch of
+    `index` as before: rows rank*micro:(rank+1)*micro."""
+    x, y = global_batch(tokens, micro * accumulation, seq_len, index, world, seed)
+    lo = (micro_step * world + rank) * micro
+    return x[lo:lo + micro], y[lo:lo + micro]

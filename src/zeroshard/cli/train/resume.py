@@ -8,8 +8,13 @@ rank takes the same decision (a rank that does not see `latest` on a shared fold
 load fail on every rank with the checkpoint layer's clear error, instead of a rank that
 trains while another loads). What is restored is the checkpoint layer's exact resume (masters,
 optimizer states, scheduler, scaler, step counters, every rank's RNG); the data order follows
-from the step (`rank_batch` indexes batches by micro-step), so the resumed run sees the batches
+from the step (`rank_batch` indexes batches by optimizer step), so the resumed run sees the batches
 the uninterrupted run would have.
+
+An elastic restart (`--nnodes MIN:MAX`) may resume at another world size. The checkpoint says
+how many samples each optimizer step took (`global_batch`); `keep_global_batch` changes the
+gradient accumulation so the new world takes as many (world 4 x 1 micro-step becomes world 2 x
+2 on the same rows), or stops with one line when no whole number of micro-steps can.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.format import LATEST
-from zeroshard.checkpoint.reader import resolve
-from zeroshard.policies import ConfigError
+from zeroshard.checkpoint.reader import read_meta, resolve
+from zeroshard.policies import ConfigError, ZeroShardError
 
-__all__ = ["Resumed", "restart_count", "resume"]
+__all__ = ["Resumed", "keep_global_batch", "restart_count", "resume"]
 
 
 class Resumed(dict):
@@ -83,6 +88,43 @@ def describe(resumed: Resumed, steps: int) -> str:
     return line
 
 
-def client_state(step: int, losses: list[float], args: argparse.Namespace) -> dict[str, Any]:
-    """What each checkpoint of `zeroshard train` carries for the next resume."""
-    return {"step": step, "losses": losses, "model": args.model, "lora": args.lora or 0}
+def client_state(step: int, losses: list[float], args: argparse.Namespace, global_batch: int = 0,
+                 world: int = 0) -> dict[str, Any]:
+    """What each checkpoint of `zeroshard train` carries for the next resume: `global_batch` is
+    the samples of one optimizer step (micro x accumulation x world), `world` the world size."""
+    return {"step": step, "losses": losses, "model": args.model, "lora": args.lora or 0,
+            "global_batch": global_batch, "world": world}
+
+
+def _saved_batch(save: str | None) -> tuple[int, int] | None:
+    """(global batch, world size) of `save`'s latest checkpoint, when it has them."""
+    if not save or not os.path.isfile(os.path.join(save, LATEST)):
+        return None
+    try:
+        client = read_meta(resolve(save)).get("client_state") or {}
+    except (OSError, ValueError, ZeroShardError):
+        return None  # resume() reports the checkpoint's problem with the checkpoint layer's error
+    batch, world = int(client.get("global_batch") or 0), int(client.get("world") or 0)
+    return (batch, world) if batch and world else None
+
+
+def keep_global_batch(cfg: dict[str, Any], save: str | None, world: int) -> str | None:
+    """Resuming `save`'s checkpoint at a world size other than the one it was saved at (an elastic
+    restart): set `cfg`'s gradient accumulation so each optimizer step takes the checkpoint's global
+    batch again, and say so; None when nothing changes. ConfigError when no whole number of
+    micro-steps gives that batch at this world size."""
+    saved = _saved_batch(save)
+    if saved is None or saved[1] == world:
+        return None
+    batch, was = saved
+    micro = int(cfg.get("train_micro_batch_size_per_gpu") or 1)
+    if batch % (micro * world):
+        raise ConfigError(f"the checkpoint in {save} trained {batch} samples per step on {was} ranks; on {world} "
+                          f"ranks with micro-batch {micro} no gradient accumulation gives {batch} ({batch} is not a "
+                          f"multiple of {micro} x {world}): restart with a world size (or --micro-batch) that "
+                          "divides it")
+    gas = batch // (micro * world)
+    cfg.pop("train_batch_size", None)
+    cfg["gradient_accumulation_steps"] = gas
+    return (f"world size {world} (the checkpoint was saved at {was}): gradient_accumulation_steps {gas} keeps "
+            f"the global batch at {batch} samples per step")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -27,7 +28,7 @@ from zeroshard.cli.train.model import ModelSpecError, TrainModel, build_model
 from zeroshard.cli.train.report import RunRecord, detail_line, gather_memory, make_progress, memory_line, \
     summary_table, write_report
 from zeroshard.cli.train.resources import ResourceLog
-from zeroshard.cli.train.resume import client_state, describe, restart_count, resume
+from zeroshard.cli.train.resume import client_state, describe, keep_global_batch, restart_count, resume
 from zeroshard.policies import ZeroShardError
 
 
@@ -50,7 +51,10 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     # this command prints its own per-rank line in place of the engine's rank-0 line
     every = cfg.pop("steps_per_print", None)
     every = DEFAULT_STEPS_PER_PRINT if every is None else every
+    rescaled = keep_global_batch(cfg, args.save, int(os.environ.get("WORLD_SIZE", "1")))  # an elastic restart
     engine = zeroshard.initialize(tm.module, cfg)
+    if rescaled and engine.rank == 0:
+        console.print(rescaled, highlight=False, soft_wrap=True)
     if engine.rank == 0:  # the start-up block's last line: where checkpoints go
         console.print(f"  checkpoints: {args.save}, every {args.save_every} steps and at the end" if args.save else
                       "  checkpoints: none (--save DIR writes them, and the same command resumes from DIR)",
@@ -102,8 +106,8 @@ def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, ever
             engine.reset_comm_stats()
             total = 0.0
             for m in range(gas):
-                x, y = rank_batch(tokens, micro, args.seq_len, step * gas + m, engine.rank, engine.world_size,
-                                  args.seed)
+                x, y = rank_batch(tokens, micro, args.seq_len, step, engine.rank, engine.world_size, args.seed,
+                                  micro_step=m, accumulation=gas)
                 x, y = x.to(engine.device), y.to(engine.device)
                 loss = tm.loss(engine, x, y)
                 engine.backward(loss)
@@ -122,8 +126,8 @@ def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, ever
                     if verbose():
                         progress.console.print(detail_line(per_rank, rec.last_comm), highlight=False, soft_wrap=True)
             if args.save and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-                path = engine.save_checkpoint(args.save, client_state=client_state(step + 1, rec.losses, args),
-                                              keep_last=getattr(args, "keep_last", None))
+                state = client_state(step + 1, rec.losses, args, micro * gas * engine.world_size, engine.world_size)
+                path = engine.save_checkpoint(args.save, client_state=state, keep_last=getattr(args, "keep_last", None))
                 if engine.rank == 0:
                     progress.console.print(f"checkpoint: {path}", highlight=False)
                 if getattr(args, "reload_checkpoints", False):
