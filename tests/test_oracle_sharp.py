@@ -216,9 +216,12 @@ def test_adamw_weight_decay_is_seen_per_tensor(results, index):
 @pytest.mark.parametrize("index", range(len(BF16_CASES)), ids=[f"gas{c.gas}" for c in BF16_CASES])
 def test_bf16_stage3_adamw_close_to_fp32(results, index):
     """bf16 rounds activations and gradients to 8 significant bits; Adam turns that noise into
-    at most lr-sized steps on entries whose gradient is near zero. Measured (5 steps): pooled
-    drift 4.4-4.8% of the distance fp32 training moved, per tensor at most 12%; bounds 15% and
-    25%. The key third of each attn.c_attn.bias has an exactly zero gradient (softmax ignores a
+    at most lr-sized steps on entries whose gradient is near zero. Measured (5 steps) under
+    ATEN_CPU_CAPABILITY avx512 / avx2 / default x 1 / 2 threads per rank: pooled drift 4.2-5.0% of
+    the distance fp32 training moved; per tensor at most 14% with vector kernels and 26% with the
+    default kernels (h.0.attn.c_attn.bias's value third at gas 2, a small tensor whose move is
+    small). Bounds: 15% pooled, 50% per tensor (about 2x the worst of the six); a tensor that is
+    not trained in bf16 at all drifts 100% of its move. The key third of each attn.c_attn.bias has an exactly zero gradient (softmax ignores a
     shift shared by all keys), so its fp32 "move" is Adam-amplified rounding noise (drift 64-91%):
     only its query and value thirds are held to the per-tensor bound."""
     case = BF16_CASES[index]
@@ -241,7 +244,7 @@ def test_bf16_stage3_adamw_close_to_fp32(results, index):
                                                    parts(name, start[name])):
                 tensor_moved = (f - s0).norm().item()
                 tensor_drift = (g - f).norm().item()
-                assert tensor_drift <= 0.25 * tensor_moved, (
+                assert tensor_drift <= 0.5 * tensor_moved, (
                     f"rank {rank}: {label} drifts {tensor_drift / tensor_moved:.1%} of its move")
 
 
