@@ -262,3 +262,23 @@ def test_real_mpirun_four_ranks_through_a_hostfile(tmp_path, kind):
     assert got["world"] == 4 and [r for r, _ in got["ranks"]] == [0, 1, 2, 3]
     assert sorted(local for _, local in got["ranks"]) == [0, 1, 2, 3]
     assert got["losses"] == want["losses"]
+
+
+def test_real_mpirun_without_a_local_size_finds_rank_0_through_mpi4py(tmp_path, torchrun_losses):
+    """MPICH's ranks with no MPI_LOCALNRANKS (nothing says they share a host) and no MASTER_ADDR:
+    rank 0's address comes from mpi4py's broadcast (DeepSpeed's mpi_discovery), and the world trains
+    as torchrun's. mpi4py from ZEROSHARD_MPI4PY_PATH (a `pip install --target` folder; .ci/run)."""
+    folder = _mpi_bin("mpich")
+    target = os.environ.get("ZEROSHARD_MPI4PY_PATH", "")
+    if not os.path.isdir(os.path.join(target, "mpi4py")):
+        pytest.skip("no mpi4py: pip install --target DIR mpi4py; ZEROSHARD_MPI4PY_PATH=DIR")
+    env = _clean_env()
+    env.update({"PATH": folder + os.pathsep + os.environ["PATH"], "MASTER_PORT": str(free_port()),
+                "PYTHONPATH": env["PYTHONPATH"] + os.pathsep + target, "ZS_TEST_UNSET": "MPI_LOCALNRANKS",
+                "LD_LIBRARY_PATH": os.path.join(os.path.dirname(folder), "lib")})
+    run = subprocess.run(["mpirun", "-n", "2", sys.executable, SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "world 2 from MPICH/Intel MPI (PMI), master " in run.stderr, run.stderr[-2000:]
+    assert "(rank 0's address, broadcast by mpi4py)" in run.stderr, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1])["losses"] == torchrun_losses

@@ -6,13 +6,17 @@ the world it joined (size, rank, local rank per rank) and the loss of every step
 over the ranks), which must not depend on the launcher that started the ranks.
 
 ZS_TEST_HOSTS="node03,node04" maps those host names to 127.0.0.1 in this process's resolver,
-so a Slurm node list of made-up nodes can be joined on loopback.
+so a Slurm node list of made-up nodes can be joined on loopback. ZS_TEST_UNSET="A,B" removes
+those variables first (a launcher that does not say how many ranks share a host).
 """
 
 import json
 import os
 import socket
 import sys
+
+for name in filter(None, os.environ.pop("ZS_TEST_UNSET", "").split(",")):
+    os.environ.pop(name, None)
 
 hosts = os.environ.get("ZS_TEST_HOSTS")
 if hosts:

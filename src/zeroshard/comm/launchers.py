@@ -137,7 +137,7 @@ def _mpi4py_master() -> str | None:
     """Rank 0's address on every rank, through MPI (DeepSpeed's mpi_discovery), or None without mpi4py."""
     try:
         from mpi4py import MPI  # noqa: PLC0415  (optional: only MPI users have it)
-    except ImportError:
+    except (ImportError, RuntimeError, OSError):  # absent, or installed without an MPI library to load
         return None
     comm = MPI.COMM_WORLD
     addr = _own_address() if comm.Get_rank() == 0 else None
