@@ -27,6 +27,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from zeroshard.offload import DeviceTier, Tier
+from zeroshard.offload.fences import CopyFences
 from zeroshard.partition import FlatBucket, MemoryLedger
 from zeroshard.partition.layout import sub_groups
 
@@ -54,6 +55,7 @@ class ShardedOptimizer:
                 self.masters.append(tier.place(shard.detach().float(), copy=True))
         self._separate = [m.data_ptr() != b.shard().data_ptr() for m, b in zip(self.masters, buckets)]
         self._staging = _GradStaging(self.masters, buckets, memory)
+        self.fences = CopyFences()  # a sub-group's masters, copied asynchronously to their device shards
         groups = [
             {**options, "params": [m for m, b in zip(self.masters, buckets) if b.layout.group == g]}
             for g, options in enumerate(group_options)
@@ -81,6 +83,7 @@ class ShardedOptimizer:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.fences.wait_all()
         self.optimizer.load_state_dict(state)
         self.store.after_load()  # loaded states go to their files (nvme)
         self._count_states()
@@ -160,12 +163,15 @@ class ShardedOptimizer:
                 self.masters[b].grad = g.float().mul_(scale)
                 upcast += g.numel() * 4
         self.memory.hold("grads", "fp32_subgroup", upcast, tier=self.tiers[indices[0]].name)
+        self.fences.wait(k)  # last step's copies out of these masters have read them (CUDA)
         self.optimizer.step()
         for b in indices:
             self.masters[b].grad = None
             if self._separate[b]:  # into the shard's home (a file with offload_param nvme)
                 self.buckets[b].write_shard(self.masters[b], asynchronous=True)
             after_bucket(b)
+        if any(self._separate[b] for b in indices):
+            self.fences.record(k)
         self.memory.release("grads", "fp32_subgroup")
         self.store.swap_out(k)  # nvme: written while the next sub-group steps
 
@@ -179,6 +185,7 @@ class ShardedOptimizer:
 
     def resident(self, b: int) -> ContextManager[None]:
         """A context in which bucket b's master and states are real tensors that may be edited."""
+        self.fences.wait(self._sub_group_of[b])  # not while a copy out of the master is in flight
         return self.store.resident(b)
 
     def spill_states(self, b: int, states: dict[str, Any]) -> dict[str, Any]:
