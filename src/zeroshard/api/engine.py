@@ -27,6 +27,7 @@ from torch import nn
 
 from zeroshard.api.banner import log_startup, log_step
 from zeroshard.api.gathered import register_engine, unregister_engine
+from zeroshard.api.offload_states import EngineStates
 from zeroshard.api.surface import EngineSurface, cast_floats, needs_grad
 from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.monitor import open_monitors
@@ -90,6 +91,7 @@ class Engine(EngineSurface):
         self._warned_window = False
         self._warned_no_sync = False
         self._timers: dict[str, float] = defaultdict(float)
+        self.states = EngineStates(self)  # offload_states / reload_states
         self.comm.where = "step 0"
         self.memory.reset_peaks()  # peaks count from training on; building is a one-off
         register_engine(self)
@@ -108,6 +110,7 @@ class Engine(EngineSurface):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        self.states.check("forward")
         self.comm.where = f"step {self.global_steps}, forward"
         if self.settings.runtime.cast_forward_inputs and self.compute_dtype != torch.float32:
             args, kwargs = cast_floats((args, kwargs), self.compute_dtype)
@@ -135,6 +138,7 @@ class Engine(EngineSurface):
         accumulation steps); gradient reductions run inside, overlapping backward where the stage allows."""
         if self.inference_only:
             raise ConfigError(NO_OPTIMIZER)
+        self.states.check("backward")
         self.comm.where = f"step {self.global_steps}, backward (micro-step {self.micro_steps})"
         gas = self.settings.batch.gradient_accumulation_steps
         started = time.perf_counter()
@@ -178,6 +182,7 @@ class Engine(EngineSurface):
         """At the accumulation boundary: clip, step the sharded optimizer, publish parameters."""
         if self.inference_only:
             raise ConfigError(NO_OPTIMIZER)
+        self.states.check("step")
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
@@ -239,6 +244,15 @@ class Engine(EngineSurface):
         if self.stage3 is not None:
             self.stage3.release_all()
         self.pool.clear()
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Free the device memory of the states in `include` (DeepSpeed's OffloadStateTypeEnum names; all
+        by default) until `reload_states()`, keeping their bytes on the host (api/offload_states.py)."""
+        self.states.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """The states `offload_states` moved, back where they were, bit for bit."""
+        self.states.reload(non_blocking)
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

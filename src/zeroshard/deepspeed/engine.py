@@ -54,6 +54,8 @@ class DeepSpeedEngine(nn.Module):
         object.__setattr__(self, "_step_applied", False)
         object.__setattr__(self, "_config", dict(config or {}))
         engine.optimizer.overflow = False  # DeepSpeed's optimizers say whether the last step was skipped
+        # DeepSpeed's optimizers move their states too (OpenRLHF calls engine.optimizer.offload_states)
+        engine.optimizer.offload_states, engine.optimizer.reload_states = engine.offload_states, engine.reload_states
         if engine.stage3 is not None:  # stage 3's hooks, as RLHF libraries reach them
             engine.optimizer.parameter_offload = DeepSpeedZeRoOffload(engine)
         _LIVE.add(self)
