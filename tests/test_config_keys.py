@@ -113,7 +113,6 @@ def test_inert_block_loads_with_a_note_and_changes_nothing(key, block):
 
 @pytest.mark.parametrize("key,block,words", [
     ("tensor_parallel", {"autotp_size": 2}, "tensor_parallel.autotp_size = 2: zeroshard"),
-    ("hybrid_engine", {"enabled": True}, "hybrid_engine.enabled = true: zeroshard"),
     ("hybrid_engine", {"enabled": True, "inference_tp_size": 2}, "hybrid_engine.inference_tp_size = 2"),
     ("data_efficiency", {"enabled": True}, "data_efficiency.enabled = true: zeroshard"),
     ("data_efficiency", {"data_routing": {"random_ltd": {"enabled": True}}},
@@ -128,6 +127,15 @@ def test_enabled_feature_is_one_refusal_naming_it(key, block, words):
         load_config(_with(**{key: block}), 2)
     msg = str(info.value)
     assert words in msg and "does not build" in msg and msg.count("\n") == 0, msg
+
+
+def test_hybrid_engine_enabled_loads_with_a_note_naming_what_serves_it():
+    """DeepSpeed-Chat's `hybrid_engine: {"enabled": true}`: engine.generate() is served
+    (tests/test_generation.py); its inference-kernel keys are named as without effect."""
+    settings = load_config(_with(hybrid_engine={"enabled": True, "max_out_tokens": 256}), 2)
+    mine = [n for n in settings.notes if n.startswith("hybrid_engine.enabled")]
+    assert len(mine) == 1 and "engine.generate()" in mine[0] and "max_out_tokens" in mine[0], settings.notes
+    assert _same_policies(settings, load_config(ZERO3, 2))
 
 
 def test_every_feature_row_is_exercised():

@@ -41,6 +41,7 @@ from zeroshard.partition import MemoryLedger
 from zeroshard.partition.buffer_pool import BufferPool
 from zeroshard.policies import ConfigError, Settings
 from zeroshard.stages.build import assemble
+from zeroshard.stages.generation import generation
 from zeroshard.stages.state_dict import full_state_dict
 from zeroshard.stages.train_state import TrainState
 
@@ -244,6 +245,12 @@ class Engine(EngineSurface):
         if self.stage3 is not None:
             self.stage3.release_all()
         self.pool.clear()
+
+    def generation(self, max_bytes: int | None = None):
+        """A context for generating at stage 3: each unit is gathered once and kept across forwards
+        while the kept units fit `max_bytes` (None: no limit), least recently used released first;
+        everything is released on exit (stages/generation.py). Below stage 3: `torch.no_grad()`."""
+        return generation(self.stage3, max_bytes) if self.stage3 is not None else torch.no_grad()
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
         """Free the device memory of the states in `include` (DeepSpeed's OffloadStateTypeEnum names; all

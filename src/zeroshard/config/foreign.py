@@ -134,10 +134,15 @@ class Feature:
 
 
 def _hybrid(block: HybridEngineConfig) -> list[str]:
-    if not block.enabled:
-        return []
-    tp = [f"hybrid_engine.inference_tp_size = {block.inference_tp_size}"] if block.inference_tp_size > 1 else []
-    return ["hybrid_engine.enabled = true"] + tp
+    """Only tensor-parallel inference is refused: `engine.generate()` is served (engine.generation)."""
+    return [f"hybrid_engine.inference_tp_size = {block.inference_tp_size}"] if block.enabled and \
+        block.inference_tp_size > 1 else []
+
+
+HYBRID_NOTE = ("hybrid_engine.enabled: engine.generate() runs the model's generate with each stage-3 unit gathered "
+               "once for all tokens (engine.generation) and everything released after it; max_out_tokens, "
+               "pin_parameters, tp_gather_partition_size, release_inference_cache and enable_cuda_graph have no "
+               "effect (DeepSpeed's inference kernels and caches are not built)")
 
 
 def _expert(block: dict[str, Any]) -> list[str]:
@@ -152,8 +157,8 @@ def _weights(block: dict[str, Any]) -> list[str]:
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("hybrid_engine", "DeepSpeed-Chat's hybrid engine (inference kernels inside the training engine)",
-            _hybrid, 'set "enabled": false or remove the block', "enabled is false"),
+    Feature("hybrid_engine", "tensor-parallel inference in DeepSpeed-Chat's hybrid engine",
+            _hybrid, "set inference_tp_size to 1 (engine.generate() is served without it)", "enabled is false"),
     Feature("tensor_parallel", "tensor parallelism (DeepSpeed AutoTP): it shards over data parallelism only",
             lambda b: [f"tensor_parallel.autotp_size = {b.autotp_size}"] if b.autotp_size > 1 else [],
             "set autotp_size to 1 (or 0) or remove the block", "autotp_size 0/1 is no tensor parallelism"),
@@ -197,5 +202,6 @@ def refusals(config: Any, version: str) -> list[str]:
 
 def inert_notes(config: Any) -> list[str]:
     """A note per block of these features that is present but does nothing."""
-    return [f"ignored: {feature.key} ({feature.inert})" for feature in FEATURES
+    return [HYBRID_NOTE if feature.key == "hybrid_engine" and getattr(config, feature.key).enabled else
+            f"ignored: {feature.key} ({feature.inert})" for feature in FEATURES
             if getattr(config, feature.key) is not None and feature.key in config.model_fields_set]

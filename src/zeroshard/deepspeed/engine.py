@@ -127,6 +127,15 @@ class DeepSpeedEngine(nn.Module):
     def eval(self) -> "DeepSpeedEngine":
         return self.train(False)
 
+    def generate(self, *args, **kwargs):
+        """DeepSpeed-Chat's hybrid engine: the model's `generate` with each stage-3 unit gathered once
+        for all the tokens (zeroshard's `engine.generation()`), everything released after it."""
+        if not (self._config.get("hybrid_engine") or {}).get("enabled"):
+            raise ConfigError('engine.generate() is DeepSpeed-Chat\'s hybrid engine: add "hybrid_engine": '
+                              '{"enabled": true} to the config, or call engine.module.generate(...)')
+        with self.zeroshard.generation():
+            return self.module.generate(*args, **kwargs)
+
     def train_batch(self, *args, **kwargs):
         raise ConfigError(unsupported("the pipeline engine (engine.train_batch)"))
 

@@ -91,6 +91,7 @@ class Stage3Runtime:
         self._pinned: set[int] = set()  # units adopted by an outside read: kept until the pass ends
         self._external = {(id(m), u.index) for u in units for m in external_users.get(u.index, [])}
         self._reads = OutsideReads(self)
+        self.keep = None  # a KeepGathered while engine.generation() runs (stages/generation.py)
 
     # -- phases, driven by the engine -------------------------------------------------
     def begin_forward(self) -> None:
@@ -123,7 +124,8 @@ class Stage3Runtime:
         for unit in self.units:
             unit.users = 0
             unit.active.clear()
-            self._release(unit)
+            if self.keep is None or unit.index not in self.keep.kept:  # a generation keeps its units
+                self._release(unit)
             if self.collectives.hpz is not None:  # the secondaries serve one pass only
                 for bucket in unit.buckets:
                     bucket.drop_secondary()
@@ -359,6 +361,8 @@ class Stage3Runtime:
             if tensors:
                 when_grad_reaches(tensors, lambda: self._pre_backward(unit))
         if self.phase is Phase.BACKWARD:  # recompute for activation checkpointing: keep it
+            return output
+        if self.keep is not None and unit.users == 0 and self.keep.used(unit):  # generation: kept
             return output
         if unit.users == 0 and not self._reused_soon(unit):
             self._release(unit)
