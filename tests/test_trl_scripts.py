@@ -39,3 +39,15 @@ def test_dpo_trainer_with_reference_and_sync_at_zero3_equals_ddp(tmp_path):
     _close(zero3["losses"], ddp["losses"])
     # the rewards are beta x small log-prob differences: compared absolutely, at the losses' precision
     assert all(abs(a - b) <= 1e-3 for a, b in zip(zero3["rewards"], ddp["rewards"])), (zero3, ddp)
+
+
+@pytest.mark.slow  # 2 x 3 launches (~20 s each)
+@pytest.mark.parametrize("flags", [[], ["--per-forward"], ["--beta", "0.1"], ["--per-forward", "--beta", "0.1"]],
+                         ids=["gathered", "per-forward", "gathered-beta", "per-forward-beta"])
+def test_grpo_trainer_at_zero3_equals_ddp(tmp_path, flags):
+    # ds3_gather_for_generation True (TRL's unwrap_model_for_generation: hooks removed and re-added
+    # through engine.optimizer.parameter_offload) or False; beta > 0 adds TRL's reference engine
+    zero3, ddp = _both("trl_grpo.py", ["--steps", "2", *flags], tmp_path)
+    assert zero3["completions"] == ddp["completions"] and zero3["completions"], (zero3, ddp)
+    assert zero3["rewards"] == ddp["rewards"], (zero3, ddp)
+    _close(zero3["losses"], ddp["losses"])
