@@ -157,3 +157,41 @@ def test_a_graph_break_inside_a_block_is_noted_with_its_module():
     for noted in run_ranks(_breaking_worker, WORLD, timeout=300):
         assert set(noted) == {"blocks.0", "blocks.1"}, noted  # each region's first call is examined
         assert all(any("item()" in r for r in reasons) for reasons in noted.values()), noted
+
+
+def _dropin_worker(rank, world_size):
+    import zeroshard.deepspeed as deepspeed
+    from zeroshard.policies import ConfigError
+
+    case = Case(stage=2, steps=2)
+    out = {}
+    with one_group():
+        for how in ("eager", "config", "call"):
+            cfg = config_for(case, world_size)
+            if how == "config":  # the compile section compiles at initialize
+                cfg["compile"] = {"enabled": True, "backend": "aot_eager", "deepcompile": False}
+            engine, *_ = deepspeed.initialize(model=make_model(case), config=cfg)
+            if how == "call":
+                try:
+                    engine.compile(backend="aot_eager", schedule=[(0, ["prefetch"])])
+                except ConfigError as e:
+                    out["refused"] = str(e)
+                engine.compile(backend="aot_eager", compile_kwargs={"fullgraph": True})
+            losses = []
+            for step in range(case.steps):
+                x, y = batch(case, step, WORLD)
+                loss = loss_of(engine, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            out[how] = (engine.is_compiled, losses)
+            engine.destroy()
+    return out
+
+
+def test_dropin_engine_compiles_from_the_call_and_from_the_config():
+    for out in run_ranks(_dropin_worker, WORLD, timeout=300):
+        assert out["eager"][0] is False and out["config"][0] is True and out["call"][0] is True
+        assert out["config"][1] == pytest.approx(out["eager"][1], rel=1e-5)
+        assert out["call"][1] == pytest.approx(out["eager"][1], rel=1e-5)
+        assert "schedule" in out["refused"] and "DeepCompile" in out["refused"]
