@@ -75,7 +75,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     argv += [flag for flag, on in (("--bf16", args.bf16), ("--resume", args.resume),
-                                   ("--reload-checkpoints", args.reload_checkpoints)) if on]
+                                   ("--reload-checkpoints", args.reload_checkpoints),
+                                   ("--compile", args.compile)) if on]
     if getattr(args, "nvme_path", None):
         argv += ["--nvme-path", args.nvme_path]
     return argv

@@ -51,11 +51,11 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     every = cfg.pop("steps_per_print", None)
     every = DEFAULT_STEPS_PER_PRINT if every is None else every
     engine = zeroshard.initialize(tm.module, cfg)
-    if getattr(args, "compile", False):
+    if args.compile:
         engine.compile()
     if engine.rank == 0:  # the start-up block's last line: where checkpoints go
         if engine.compiled is not None:
-            console.print(f"  {engine.compiled.describe()} (first-step seconds in the log)", highlight=False)
+            console.print(f"  {engine.compiled.describe()}", highlight=False)
         console.print(f"  checkpoints: {args.save}, every {args.save_every} steps and at the end" if args.save else
                       "  checkpoints: none (--save DIR writes them, and the same command resumes from DIR)",
                       highlight=False, soft_wrap=True)
