@@ -103,7 +103,11 @@ def compile_regions(module: nn.Module, stage3, backend, compile_kwargs: dict | N
 def _compile_forward(name: str, module: nn.Module, backend, kwargs: dict, report: CompiledRegions,
                      suspend_modes: bool) -> None:
     eager = module.forward
-    compiled = torch.compile(eager, backend=backend, **kwargs)
+    _wrap_forward(name, module, torch.compile(eager, backend=backend, **kwargs), eager, report, suspend_modes)
+
+
+def _wrap_forward(name: str, module: nn.Module, compiled, eager, report: CompiledRegions,
+                  suspend_modes: bool) -> None:
     counters = torch._dynamo.utils.counters  # dynamo's own tally of graph breaks, by reason
     seen = [False]
 
@@ -128,6 +132,35 @@ def _compile_forward(name: str, module: nn.Module, backend, kwargs: dict, report
 
     forward.__zeroshard_eager__ = eager
     module.forward = forward
+
+
+def take_over_module_compiles(stage3) -> list[str]:
+    """Stage 3: a unit's module compiled whole after `initialize` (`module.compile()`, as
+    Accelerate's regional compilation does) would trace torch's `_call_impl` with the unit's
+    hooks (run eagerly at graph breaks, stages/hooks.py). Take its compile context (same backend
+    and options) and compile only its `forward` instead: 0 breaks. Names of the modules taken over."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    taken = []
+    for unit in stage3.units:
+        m = unit.module
+        impl = getattr(m, "_compiled_call_impl", None)
+        if impl is None:
+            continue
+        if hasattr(m.__dict__.get("forward"), "__zeroshard_eager__"):  # engine.compile() did: its forward is compiled
+            m._compiled_call_impl = None
+            continue
+        context = next((c.cell_contents for c in impl.__closure__ or ()
+                        if isinstance(c.cell_contents, _TorchDynamoContext)), None)
+        if context is None:  # another torch: leave it compiled whole (correct, with graph breaks)
+            continue
+        m._compiled_call_impl = None
+        _wrap_forward(unit.label, m, context(m.forward), m.forward, CompiledRegions("module.compile", {}), True)
+        taken.append(unit.label)
+    if taken:
+        log.info("compile: %d stage-3 unit(s) compiled whole (module.compile) now compile their forward only, "
+                 "zeroshard's hooks outside the graph: %s", len(taken), ", ".join(taken[:4]))
+    return taken
 
 
 def uncompile(module: nn.Module) -> None:

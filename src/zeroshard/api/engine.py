@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from zeroshard.api.banner import log_startup, log_step
+from zeroshard.api.compiled import take_over_module_compiles
 from zeroshard.api.gathered import register_engine, unregister_engine
 from zeroshard.api.surface import EngineSurface, cast_floats, needs_grad
 from zeroshard.comm import Comm, CommLedger, Topology
@@ -91,6 +92,7 @@ class Engine(EngineSurface):
         self._warned_no_sync = False
         self._timers: dict[str, float] = defaultdict(float)
         self.compiled = None  # engine.compile()'s CompiledRegions (api/compiled.py)
+        self._compiles_checked = False
         self.comm.where = "step 0"
         self.memory.reset_peaks()  # peaks count from training on; building is a one-off
         register_engine(self)
@@ -126,6 +128,9 @@ class Engine(EngineSurface):
             self.flops_profiler.begin_forward(self.global_steps, args, kwargs)
         if self.compiled is not None:
             self.compiled.step_begins()
+        if self.stage3 is not None and not self._compiles_checked:
+            self._compiles_checked = True  # checked once, at the first forward (Accelerate compiles after initialize)
+            take_over_module_compiles(self.stage3)
         self.params.begin_forward()
         try:
             out = self.module(*args, **kwargs)
