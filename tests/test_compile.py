@@ -2,8 +2,10 @@
 hooks eager around it. On 2 gloo ranks, a compiled run equals the eager run of the same config
 (fp32, SGD, 5 steps: parameters within 1e-5 of their largest entry, losses within 1e-5 relative),
 with 0 graph breaks inside the compiled regions and 0 graphs compiled after the first step.
-The default run uses backend "aot_eager" (dynamo + AOT autograd, no codegen: fast on 2 shared
-cores); the slow forms use inductor."""
+The default run (stage 3 with mode switches, the graph-break note, the drop-in engine) uses
+backend "aot_eager" (dynamo + AOT autograd, no codegen: fast on 2 shared cores); the slow forms
+use inductor at every stage and combination, plus aot_eager for stage 0 and for blocks compiled
+whole after initialize (Accelerate's regional compilation)."""
 
 from __future__ import annotations
 
@@ -104,12 +106,14 @@ def test_compiled_stage3_equals_eager_with_mode_switches():
     _check(Case(stage=3, zero=Z3), "aot_eager", probe=True)
 
 
+@pytest.mark.slow
 def test_blocks_compiled_whole_after_initialize_keep_the_hooks_out():
     """Accelerate's regional compilation (`block.compile()` on each block after initialize): stage 3
     takes each unit's compile context over to its forward, so the hooks stay out: 0 breaks."""
     _check(Case(stage=3, zero=Z3, steps=3), "regional:aot_eager")
 
 
+@pytest.mark.slow
 def test_compiled_stage0_equals_eager():
     _check(Case(stage=0), "aot_eager")
 
