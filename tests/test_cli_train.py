@@ -193,4 +193,4 @@ def test_train_options_are_frozen():
                        "--micro-batch", "--lora", "--bf16", "--save", "--save-every", "--resume", "--report",
                        "--seed", "--offload", "--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port",
                        "--max-restarts", "--reload-checkpoints", "--resource-log", "--nvme-path", "--keep-last",
-                       "--verbose", "--tensorboard", "--csv", "--wandb", "--rdzv-id", "--rdzv-conf"}
+                       "--verbose", "--tensorboard", "--csv", "--wandb", "--rdzv-id", "--rdzv-conf", "--compile"}

@@ -318,7 +318,7 @@ _NSY = [
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation = false"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile = true"),
-    ({"compile": {"enabled": True}}, "compile.enabled = true"),
+    ({"compile": {"autoep_non_moe": True}}, "compile.autoep_non_moe = true"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, 'optimizer.type = "Lamb"'),
     ({"optimizer": {"type": "lion"}}, 'optimizer.type = "lion"'),
     ({"optimizer": {"type": "OneBitAdam"}}, 'optimizer.type = "OneBitAdam"'),
@@ -334,11 +334,11 @@ def test_not_supported_yet(cfg, words):
 
 def test_not_supported_yet_lists_every_gap():
     cfg = copy.deepcopy(HF_ZERO3)
-    cfg["compile"] = {"enabled": True}
+    cfg["compile"] = {"deepcompile": True}
     cfg["activation_checkpointing"] = {"partition_activations": True}
     msg = _error(cfg, NotSupportedYetError)
     assert "zero_optimization.stage = 3" not in msg  # stage 3 is built
-    assert "compile.enabled" in msg and "partition_activations" in msg
+    assert "compile.deepcompile" in msg and "partition_activations" in msg
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -40,13 +40,13 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=6)
     p.add_argument("--zero3-init", action="store_true")
     p.add_argument("--out", required=True)
-    p.add_argument("--compile", choices=("none", "engine", "regions"), default="none",
-                   help="Accelerate's dynamo plugin (backend aot_eager): engine.compile(), or each block in place")
+    p.add_argument("--compile-regions", metavar="BACKEND", help="Accelerate's regional compilation "
+                   "(TorchDynamoPlugin(use_regional_compilation=True)) with this backend")
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
 
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, TorchDynamoPlugin, set_seed
+    from accelerate.utils import DeepSpeedPlugin, set_seed
     from transformers import GPT2LMHeadModel
 
     # Accelerate counts one process per rank without CUDA (its num_processes is 1 on CPU), so
@@ -56,9 +56,12 @@ def main() -> None:
               "gradient_accumulation_steps": args.gas, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": args.stage, "stage3_gather_16bit_weights_on_model_save": True}}
     plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=args.zero3_init)
-    dynamo = None if args.compile == "none" else TorchDynamoPlugin(
-        backend="aot_eager", use_regional_compilation=args.compile == "regions")
-    accelerator = Accelerator(deepspeed_plugin=plugin, dynamo_plugin=dynamo)
+    dynamo = {}
+    if args.compile_regions:
+        from accelerate.utils import TorchDynamoPlugin
+
+        dynamo["dynamo_plugin"] = TorchDynamoPlugin(backend=args.compile_regions, use_regional_compilation=True)
+    accelerator = Accelerator(deepspeed_plugin=plugin, **dynamo)
     set_seed(0)
     model = GPT2LMHeadModel(gpt2_config())
     extra: dict = {}
@@ -108,9 +111,7 @@ def main() -> None:
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
     extra["unwrapped"] = type(unwrapped).__name__
-    extra["compiled"] = bool(getattr(getattr(model, "zeroshard", None), "compiled", None)) or any(
-        "compile" in type(m.forward).__name__.lower() or hasattr(m, "_compiled_call_impl") and m._compiled_call_impl
-        is not None for m in unwrapped.modules())
+    extra["compiled_blocks"] = sum(m._compiled_call_impl is not None for m in unwrapped.modules())
     if rank == 0:
         unwrapped.save_pretrained(os.path.join(args.out, "final"), state_dict=state_dict)
     accelerator.wait_for_everyone()

@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=64, help="n_embd of the GPT-2 (bench/ uses larger)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--compile", metavar="BACKEND", help="torch_compile=True with this torch_compile_backend")
     p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     args = p.parse_args()
 
@@ -90,7 +91,8 @@ def main() -> None:
         max_steps=args.steps, learning_rate=2e-3, warmup_steps=2, weight_decay=0.01, max_grad_norm=1.0,
         logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, deepspeed=ds_config(args),
-        use_cpu=not torch.cuda.is_available())
+        use_cpu=not torch.cuda.is_available(),
+        **({"torch_compile": True, "torch_compile_backend": args.compile} if args.compile else {}))
     extra: dict = {}
     model = build_model(args, extra)
     timer = step_timer(args.time_steps)  # counts the steps this run takes (a resumed run logs earlier ones too)
@@ -102,6 +104,7 @@ def main() -> None:
     extra["first_step"] = trainer.state.global_step - len(timer.seconds) + 1
     extra["train_loss"] = result.training_loss
     extra["probe_loss"] = probe_loss(trainer.model_wrapped)
+    extra["compiled"] = bool(getattr(trainer.model_wrapped, "is_compiled", False))
     if args.save_model:
         trainer.save_model(os.path.join(args.out, "final"))
     if trainer.is_world_process_zero():

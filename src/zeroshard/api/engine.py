@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from zeroshard.api.banner import log_startup, log_step
+from zeroshard.api.compiled import take_over_module_compiles
 from zeroshard.api.gathered import register_engine, unregister_engine
 from zeroshard.api.offload_states import EngineStates
 from zeroshard.api.surface import EngineSurface, cast_floats, needs_grad
@@ -93,6 +94,8 @@ class Engine(EngineSurface):
         self._warned_no_sync = False
         self._timers: dict[str, float] = defaultdict(float)
         self.states = EngineStates(self)  # offload_states / reload_states
+        self.compiled = None  # engine.compile()'s CompiledRegions (api/compiled.py)
+        self._compiles_checked = False
         self.comm.where = "step 0"
         self.memory.reset_peaks()  # peaks count from training on; building is a one-off
         register_engine(self)
@@ -105,6 +108,9 @@ class Engine(EngineSurface):
         self.monitors = open_monitors(settings.monitors, topology.rank)  # rank 0's writers, if any
         self.flops_profiler = open_flops_profiler(settings.raw.get("flops_profiler"), module, [
             b.layout for b in (*self.buckets, *self.frozen_buckets)], topology.rank)
+        section = settings.raw.get("compile") or {}
+        if section.get("enabled"):  # the config's compile section: compiled now, as engine.compile()
+            self.compile(section.get("backend"), section.get("kwargs"))
 
     # -- the training loop ------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -124,6 +130,11 @@ class Engine(EngineSurface):
                               "torch.no_grad(), detach the input, or give initialize() an optimizer")
         if self.flops_profiler:
             self.flops_profiler.begin_forward(self.global_steps, args, kwargs)
+        if self.compiled is not None:
+            self.compiled.step_begins()
+        if self.stage3 is not None and not self._compiles_checked:
+            self._compiles_checked = True  # checked once, at the first forward (Accelerate compiles after initialize)
+            take_over_module_compiles(self.stage3)
         self.params.begin_forward()
         try:
             out = self.module(*args, **kwargs)
@@ -218,6 +229,8 @@ class Engine(EngineSurface):
         self.micro_steps += 1
         self._timers["step"] += time.perf_counter() - started
         self.comm.where = f"step {self.global_steps}"
+        if self.compiled is not None:
+            self.compiled.step_ends()
         log_step(self)
         self.monitors.after_step(self)
         if self.flops_profiler:
@@ -231,6 +244,23 @@ class Engine(EngineSurface):
         shards = [self.grads.grad_shard(b) for b in range(len(self.buckets))]
         known = self._early_squares if self._stepping_early else None
         return global_grad_norm(shards, self.comm, self.grads.partitioned, known)
+
+    def compile(self, backend=None, compile_kwargs: dict | None = None) -> None:
+        """Compile each stage-3 unit, or each repeated block below stage 3, in place (its forward,
+        with torch.compile(backend, **compile_kwargs)); zeroshard's hooks stay eager around it
+        (api/compiled.py). A second call does nothing."""
+        if self.compiled is not None:
+            return
+        from zeroshard.api.compiled import compile_regions
+
+        self.compiled = compile_regions(self.module, self.stage3, backend, compile_kwargs)
+        if self.rank == 0:
+            log.info("%s: %s", self.compiled.describe(), ", ".join(self.compiled.names[:4]) +
+                     (", ..." if len(self.compiled.names) > 4 else ""))
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.compiled is not None
 
     @property
     def stage3(self):

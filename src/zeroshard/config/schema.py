@@ -232,11 +232,12 @@ AutotuningConfig = _accepting(
     "min_train_micro_batch_size_per_gpu num_tuning_micro_batch_sizes",
     enabled=(Bool, False))
 CompileConfig = _accepting(
-    "CompileConfig", None,
-    "free_activation offload_activation offload_opt_states offload_parameters double_buffer symmetric_memory "
-    "debug_log sync_before_reduce sync_after_reduce sync_before_allgather sync_after_allgather "
-    "keep_int_input_tensors keep_all_input_tensors",
-    enabled=(Bool, False), deepcompile=(Bool, False), backend=(Text | None, None),
+    "CompileConfig", "DeepSpeed 0.19.8's `compile` section; DeepCompile's own keys take effect only with "
+    "deepcompile (refused); `enabled`/`backend`/`kwargs`: zeroshard compiles at initialize (docs/compile.md).",
+    "free_activation free_activation_threshold offload_activation offload_activation_pin_memory offload_opt_states "
+    "offload_parameters double_buffer symmetric_memory debug_log sync_before_reduce sync_after_reduce "
+    "sync_before_allgather sync_after_allgather keep_int_input_tensors keep_all_input_tensors passes",
+    enabled=(Bool, False), autoep_non_moe=(Bool, False), deepcompile=(Bool, False), backend=(Text | None, None),
     kwargs=(dict[str, Any] | None, None))
 
 

@@ -142,10 +142,22 @@ class DeepSpeedEngine(nn.Module):
     def eval_batch(self, *args, **kwargs):
         raise ConfigError(unsupported("the pipeline engine (engine.eval_batch)"))
 
-    def compile(self, *args, **kwargs):
-        raise ConfigError("engine.compile() is not served by zeroshard.deepspeed: its hooks gather and reduce "
-                          "outside torch.compile's graph; compile regions of the model instead (torch.compile on "
-                          "its blocks) or leave compilation off")
+    def compile(self, backend=None, compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed 0.19.8's signature: each unit / repeated block compiled in place, zeroshard's
+        hooks eager around it (api/compiled.py). DeepCompile's schedules and compiled autograd
+        (which would trace the gradient hooks) are refused."""
+        if schedule is not None:
+            raise ConfigError("engine.compile(schedule=...) is DeepCompile's pass schedule, not served by "
+                              "zeroshard (it compiles each unit in place); call engine.compile() without schedule")
+        if compiled_autograd_enabled:
+            raise ConfigError("engine.compile(compiled_autograd_enabled=True) would trace zeroshard's gradient "
+                              "hooks into the backward graph; leave it False (each unit's backward is compiled)")
+        self.zeroshard.compile(backend, compile_kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.zeroshard.is_compiled
 
     # -- accessors ----------------------------------------------------------------------------------
     @property

@@ -15,6 +15,11 @@ what runs when (and what `close()` must undo) can be read here:
 - `on_module_attached(fn)`: `fn(parent, name, child)` whenever a submodule is attached
   anywhere (global, for `zeroshard.Init`).
 
+Every callback is wrapped in `torch.compiler.disable`: where a caller compiled a module whole
+(`module.compile()`, which traces torch's `_call_impl` with its hooks), the gathers, releases,
+reductions and ledger bookkeeping run eagerly at a graph break instead of being traced into a
+graph. `engine.compile()` compiles only `forward` (api/compiled.py), so no hook is even seen.
+
 Handles are kept by the `Hooks` object that registered them; `remove()` undoes them all.
 `Handle` is what other code receives to undo something the runtime decides (a stage-3 unit's
 hooks, which DeepSpeed clients remove around generation and add back after).
@@ -34,11 +39,11 @@ class Hooks:
         self._handles: list[Any] = []
 
     def after_grad_accumulated(self, param: nn.Parameter, fn: Callable[[nn.Parameter], None]) -> None:
-        self._handles.append(param.register_post_accumulate_grad_hook(fn))
+        self._handles.append(param.register_post_accumulate_grad_hook(eager(fn)))
 
     def around_forward(self, module: nn.Module, before: Callable, after: Callable) -> None:
-        self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(lambda m, args, out: after(m, out)))
+        self._handles.append(module.register_forward_pre_hook(eager(before), with_kwargs=True))
+        self._handles.append(module.register_forward_hook(eager(lambda m, args, out: after(m, out))))
 
     @property
     def attached(self) -> bool:
@@ -48,6 +53,11 @@ class Hooks:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def eager(fn: Callable) -> Callable:
+    """`fn`, never traced by torch.compile (run at a graph break where a compiled frame reaches it)."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 class Handle:
@@ -63,11 +73,11 @@ class Handle:
 
 
 def when_grad_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
-    torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: fn(), mode="any")
+    torch.autograd.graph.register_multi_grad_hook(tensors, eager(lambda grads: fn()), mode="any")
 
 
 def after_inputs_grad(tensors: list[torch.Tensor], fn: Callable[[], None]) -> tuple[torch.Tensor, ...]:
-    return _InputsGradDone.apply(fn, *tensors)
+    return _InputsGradDone.apply(eager(fn), *tensors)
 
 
 def on_module_attached(fn: Callable[[nn.Module, str, nn.Module | None], None]):

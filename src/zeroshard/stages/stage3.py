@@ -138,6 +138,10 @@ class Stage3Runtime:
         self.phase = Phase.IDLE
 
     # -- hooks: attached or detached per unit (DeepSpeed clients detach them around generation) --
+    def hooked_modules(self) -> set[int]:
+        """Ids of the modules carrying a unit's hooks (its own module and its outside readers)."""
+        return {id(m) for users in self._users.values() for m in users}
+
     def hooks_attached(self, unit: Unit) -> bool:
         return self._hooks[unit.index].attached
 

@@ -141,6 +141,11 @@ def _repeated_children(model: nn.Module) -> dict[int, nn.Module]:
     return blocks
 
 
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (what `engine.compile()` compiles below stage 3)."""
+    return list(_repeated_children(model).values())
+
+
 def _persistent(model: nn.Module, policy: Stage3Policy) -> set[int]:
     """Small parameters stay whole (DeepSpeed's param_persistence_threshold), smallest first,
     up to model_persistence_threshold elements in all."""

@@ -23,6 +23,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, help="samples per rank per micro-step (default 8, or the config's)")
     p.add_argument("--lora", type=int, default=None, metavar="R",
                    help="train LoRA adapters of rank R >= 1 (peft) only")
+    p.add_argument("--compile", action="store_true",
+                   help="engine.compile(): each stage-3 unit / repeated block compiled in place (inductor)")
     p.add_argument("--bf16", action="store_true", help="train in bf16 with fp32 master weights")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                    help="cpu: optimizer states (and, at stage 3, parameter shards) on host memory (ZeRO-Offload); "
@@ -73,7 +75,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     argv += [flag for flag, on in (("--bf16", args.bf16), ("--resume", args.resume),
-                                   ("--reload-checkpoints", args.reload_checkpoints)) if on]
+                                   ("--reload-checkpoints", args.reload_checkpoints),
+                                   ("--compile", args.compile)) if on]
     if getattr(args, "nvme_path", None):
         argv += ["--nvme-path", args.nvme_path]
     return argv

@@ -55,7 +55,11 @@ def _train(args: argparse.Namespace, console: Console) -> int:
     engine = zeroshard.initialize(tm.module, cfg)
     if rescaled and engine.rank == 0:
         console.print(rescaled, highlight=False, soft_wrap=True)
+    if args.compile:
+        engine.compile()
     if engine.rank == 0:  # the start-up block's last line: where checkpoints go
+        if engine.compiled is not None:
+            console.print(f"  {engine.compiled.describe()}", highlight=False)
         console.print(f"  checkpoints: {args.save}, every {args.save_every} steps and at the end" if args.save else
                       "  checkpoints: none (--save DIR writes them, and the same command resumes from DIR)",
                       highlight=False, soft_wrap=True)
