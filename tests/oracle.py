@@ -159,6 +159,12 @@ def train_engine(case: Case, rank: int, world_size: int, config: dict | None = N
     import zeroshard
 
     engine = zeroshard.initialize(make_model(case), config or config_for(case, world_size))
+    return engine, run_steps(engine, case, rank, world_size)
+
+
+def run_steps(engine, case: Case, rank: int, world_size: int, after_step=None) -> list[float]:
+    """`case.steps` optimizer steps of `engine` on rank `rank`'s rows; the micro-step losses.
+    `after_step(step)` runs after each optimizer step."""
     losses = []
     for step in range(case.steps):
         for m in range(case.gas):
@@ -168,7 +174,9 @@ def train_engine(case: Case, rank: int, world_size: int, config: dict | None = N
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-    return engine, losses
+        if after_step is not None:
+            after_step(step)
+    return losses
 
 
 def paper_units(comm: dict) -> int:

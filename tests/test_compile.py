@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distributed import one_group, run_ranks
-from oracle import MICRO, Case, batch, config_for, loss_of, make_model, sgd_close
+from oracle import MICRO, Case, batch, config_for, loss_of, make_model, run_steps, sgd_close
 
 WORLD = 2
 
@@ -34,17 +34,10 @@ def _train(case: Case, rank: int, cfg: dict, compile_with: str | None, probe: bo
                 block.compile(backend=compile_with.split(":")[1])
         else:
             engine.compile(backend=compile_with)
-    losses, graphs_after_first = [], None
-    for step in range(case.steps):
-        for m in range(case.gas):
-            x, y = batch(case, step * case.gas + m, WORLD)
-            lo, hi = rank * MICRO, (rank + 1) * MICRO
-            loss = loss_of(engine, x[lo:hi], y[lo:hi])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        if step == 0:
-            graphs_after_first = counters["stats"]["unique_graphs"]
+    first: list[int] = []  # unique graphs after the first step
+    losses = run_steps(engine, case, rank, WORLD,
+                       lambda step: first.append(counters["stats"]["unique_graphs"]) if step == 0 else None)
+    graphs_after_first = first[0] if first else None
     out = {"losses": losses, "state": engine.full_state_dict()}
     if compile_with:
         report = engine.compiled
