@@ -5,7 +5,8 @@ stdout) the threads this process still runs after the engine is done with the gr
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/exit_probe.py [--no-close]
 
 `--no-close` leaves the group to zeroshard's exit handler, as a script that forgets
-`engine.close()` does."""
+`engine.close()` does; `--user-group` makes the default group in the script and reports
+the gloo threads left at exit."""
 
 from __future__ import annotations
 
@@ -53,7 +54,29 @@ def train_a_little(stage: int = 2, steps: int = 2):
     return engine
 
 
+def _user_group_threads_at_exit() -> None:
+    """`--user-group`: the script makes the default group itself (as accelerate does on CPU),
+    so zeroshard runs on a group of its own; registered before zeroshard's exit handler, this
+    runs after it and reports the gloo threads left beside those of the user's group."""
+    import atexit
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()  # the group's threads are all up after its first collective
+    users = len(gloo_threads())
+    rank = dist.get_rank()
+
+    def report():
+        if rank == 0:
+            print(f"gloo threads at exit: {len(gloo_threads())} (the user's group: {users})", flush=True)
+
+    atexit.register(report)
+
+
 def main(argv: list[str]) -> int:
+    if "--user-group" in argv:
+        _user_group_threads_at_exit()
     engine = train_a_little(int(os.environ.get("PROBE_STAGE", "2")))
     if "--no-close" not in argv:
         engine.close()

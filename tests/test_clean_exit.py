@@ -11,6 +11,7 @@ abort came only sometimes) is marked `slow` (`python -m pytest -m slow`)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -53,3 +54,18 @@ def test_plain_script_exits_zero_every_run(close, runs, tmp_path):
         assert "terminate called" not in out and out.count("trained") == 2, out[-3000:]
         if close:
             assert "gloo threads after close: 0" in proc.stdout, out[-3000:]
+
+
+def test_groups_zeroshard_made_on_a_users_group_end_at_exit(tmp_path):
+    """accelerate on CPU makes the default group itself and never destroys it; zeroshard's
+    own group on it (and the engines' hooks that keep it alive in reference cycles) must still
+    end at exit, so only the user's group's threads reach interpreter shutdown (a CI run of
+    tests/test_hf_ref_model.py aborted there once, with two engines' groups alive)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", PROBE,
+         "--no-close", "--user-group"], capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.count("trained") == 2, out[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("gloo threads at exit"))
+    left, users = (int(n) for n in re.findall(r"\d+", line))
+    assert users > 0 and left == users, line

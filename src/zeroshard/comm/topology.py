@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import datetime
 import importlib
 import logging
@@ -30,6 +31,29 @@ INTRA_NODE, INTER_NODE = "intra_node", "inter_node"
 SCOPES = (INTRA_NODE, INTER_NODE)
 
 
+class GroupRef:
+    """The one reference zeroshard keeps to a process group it made on a user's default group.
+    A gloo group's threads stop only when the group object is freed, not when it is destroyed;
+    engines a script keeps alive (hooks on its parameters) would carry their groups into
+    interpreter shutdown, where their destruction can abort the process. Destroying through
+    the ref drops that reference; a collective on it afterwards is an error, never the
+    default group."""
+
+    __slots__ = ("pg",)
+
+    def __init__(self, pg: Any):
+        self.pg = pg
+
+    def destroy(self) -> None:
+        pg, self.pg = self.pg, _RELEASED
+        if pg is not _RELEASED and dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):  # already destroyed by the user's own destroy call
+                dist.destroy_process_group(pg)
+
+
+_RELEASED = "a process group zeroshard has destroyed (engine.close() or the end of the script)"
+
+
 @dataclass(frozen=True)
 class Group:
     """A set of ranks zeroshard runs collectives on. `handle` is the process group (None: the
@@ -40,7 +64,11 @@ class Group:
     ranks: tuple[int, ...]
     rank: int
     scope: str
-    handle: Any = None
+    ref: GroupRef | None = None
+
+    @property
+    def handle(self) -> Any:
+        return None if self.ref is None else self.ref.pg
 
     @property
     def size(self) -> int:
@@ -71,7 +99,7 @@ class Topology:
     # comm_timeout_s), else a group of all ranks made here with comm_timeout_s, so a dead or
     # stuck peer is reported within it even where the backend blocks inside the call (gloo's
     # reduce-scatter), whatever timeout the user's own group has (30 minutes by default)
-    group: Any = None
+    group: GroupRef | None = None
     _hierarchies: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -137,7 +165,7 @@ class Topology:
     def _new_group(self, ranks: tuple[int, ...], timeout_s: float):
         if not self.distributed or len(ranks) == self.world_size:
             return self.group  # the whole world: the group zeroshard already runs on
-        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+        group = GroupRef(dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s)))
         _own_groups.append(group)
         return group
 
@@ -145,10 +173,11 @@ class Topology:
         """Destroy the default group, but only if this topology created it; else only the
         group of its own that it made."""
         if self.owns_group and dist.is_initialized():
-            for h in self._hierarchies.values():  # destroyed with the default group below
+            for h in self._hierarchies.values():
                 for g in (h.intra, h.inter, h.hpz):
-                    if g.handle in _own_groups:
-                        _own_groups.remove(g.handle)
+                    if g.ref in _own_groups:
+                        _own_groups.remove(g.ref)
+                        g.ref.destroy()
             self._hierarchies.clear()
             dist.destroy_process_group()
             _created.clear()
@@ -158,16 +187,16 @@ class Topology:
     def release_group(self) -> None:
         """Destroy the groups this topology made for itself (its own world group on a user's
         default group, and the node / hpZ groups)."""
-        groups = [g.handle for h in self._hierarchies.values() for g in (h.intra, h.inter, h.hpz)]
+        groups = [g.ref for h in self._hierarchies.values() for g in (h.intra, h.inter, h.hpz)]
         self._hierarchies.clear()
         for group in [*groups, self.group]:
-            if group is not None and dist.is_initialized() and group in _own_groups:
+            if group is not None and group in _own_groups:
                 _own_groups.remove(group)
-                dist.destroy_process_group(group)
+                group.destroy()
 
 
 _created: list[bool] = []  # non-empty while a group zeroshard created is alive
-_own_groups: list[Any] = []  # groups made on a user's default group, until released
+_own_groups: list[GroupRef] = []  # groups made on a user's default group, until released
 
 # Modules torch imports lazily on first use (building any torch.optim optimizer imports
 # torch._dynamo). Imported after the process group exists, they keep a reference to it that
@@ -184,12 +213,16 @@ def _import_lazy_torch_modules() -> None:
 
 
 def _destroy_at_exit() -> None:
-    """The group zeroshard created is destroyed before interpreter shutdown even when the
-    script never called `engine.close()`."""
+    """The groups zeroshard created (the default group, or its own groups on a user's default
+    group, as under accelerate on CPU) are destroyed before interpreter shutdown even when
+    the script never called `engine.close()`; a user's default group stays theirs."""
+    for group in _own_groups:
+        group.destroy()
+    _own_groups.clear()
     if _created and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _created.clear()
-    _own_groups.clear()
+    gc.collect()  # a group's gloo threads stop when the group object is freed
 
 
 def world_size_hint() -> int:
@@ -235,8 +268,10 @@ def setup_topology(timeout_s: float, default_port: int = DEFAULT_PORT, launchers
     device = _device_for(local_rank, "nccl" if "nccl" in str(backend) else "gloo")
     group = None
     if not owns:  # a collective: every rank of the user's group makes it at the same point
-        group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+        group = GroupRef(dist.new_group(timeout=datetime.timedelta(seconds=timeout_s)))
         _own_groups.append(group)
+        atexit.unregister(_destroy_at_exit)
+        atexit.register(_destroy_at_exit)
     return Topology(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                     local_world_size=min(local_world, dist.get_world_size()), device=device, backend=str(backend),
                     owns_group=owns, group=group)
