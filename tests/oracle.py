@@ -136,10 +136,11 @@ def config_for(case: Case, world_size: int) -> dict[str, Any]:
     return cfg
 
 
-def train_reference(case: Case, world_size: int) -> dict[str, torch.Tensor]:
+def train_reference(case: Case, world_size: int, make_optimizer=None) -> dict[str, torch.Tensor]:
+    """`make_optimizer(params)`: the one-process optimizer, if not the case's torch one."""
     model = make_model(case)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch_optimizer(case, trainable)
+    opt = (make_optimizer or (lambda params: torch_optimizer(case, params)))(trainable)
     for p in trainable:
         p.grad = torch.zeros_like(p)
     for step in range(case.steps):

@@ -320,7 +320,6 @@ _NSY = [
     ({"compile": {"deepcompile": True}}, "compile.deepcompile = true"),
     ({"compile": {"autoep_non_moe": True}}, "compile.autoep_non_moe = true"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, 'optimizer.type = "Lamb"'),
-    ({"optimizer": {"type": "lion"}}, 'optimizer.type = "lion"'),
     ({"optimizer": {"type": "OneBitAdam"}}, 'optimizer.type = "OneBitAdam"'),
     ({"optimizer": {"type": "muon"}}, 'optimizer.type = "muon"'),
 ]

@@ -6,9 +6,9 @@ known but unbuilt one as not supported yet. When one lands, move it to the BUILT
 
 from __future__ import annotations
 
-BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
+BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion")
 UNBUILT_OPTIMIZERS = (
-    "lamb", "lion", "muon", "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam",
+    "lamb", "muon", "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam",
     "onebitlamb", "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
     "lbfgs", "sparseadam", "adafactor",
 )

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.optim.lion import Lion
 from zeroshard.policies import ConfigError, NotSupportedYetError, OptimizerSpec
 
 __all__ = ["build_optimizer", "optimizer_kernel", "optimizer_state_bytes_per_param"]
@@ -33,11 +34,11 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
     "adamw": _ADAM_KEYS,
     "sgd": frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov"}),
     "adagrad": frozenset({"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"}),
+    "lion": frozenset({"lr", "betas", "weight_decay"}),
 }
 
 # DeepSpeed optimizers with no torch equivalent yet: a clear "not yet", not "unknown".
-_DEEPSPEED_NOT_YET = frozenset({"lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam", "muadamw",
-                                "musgd"})
+_DEEPSPEED_NOT_YET = frozenset({"lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd"})
 
 
 def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -60,6 +61,13 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
         return torch.optim.SGD, params
     if kind == "adagrad":
         return torch.optim.Adagrad, params
+    if "betas" in params:
+        betas = params["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ConfigError(f"optimizer {spec.type!r}: betas must be two numbers, got {betas!r}")
+        params["betas"] = (float(betas[0]), float(betas[1]))
+    if kind == "lion":
+        return Lion, params
 
     if not params.pop("bias_correction", True):
         raise ConfigError(f"optimizer {spec.type!r}: bias_correction=false is not supported by torch's Adam; "
@@ -68,11 +76,6 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
     adam_w_mode = params.pop("adam_w_mode", True)
     decoupled = kind == "adamw" or bool(adam_w_mode)
     params.setdefault("weight_decay", 0.0)
-    if "betas" in params:
-        betas = params["betas"]
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-            raise ConfigError(f"optimizer {spec.type!r}: betas must be two numbers, got {betas!r}")
-        params["betas"] = (float(betas[0]), float(betas[1]))
     return (torch.optim.AdamW if decoupled else torch.optim.Adam), params
 
 
@@ -118,7 +121,7 @@ def optimizer_kernel(opt: torch.optim.Optimizer) -> str:
 def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     """fp32 optimizer-state bytes per parameter, for estimates and docs: Adam/AdamW keep exp_avg
     and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12), SGD a momentum buffer only when
-    momentum != 0 (4 or 0), Adagrad the sum of squares (4). torch's scalar `step` is not counted."""
+    momentum != 0 (4 or 0), Adagrad the sum of squares (4), Lion its momentum (4). torch's scalar `step` is not counted."""
     cls, kwargs = _classify(spec)
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return 12 if kwargs.get("amsgrad") else 8
