@@ -108,6 +108,8 @@ def startup_summary(run: Assembled, topo: Topology, lr_scheduler: Any, memory: d
     phi, frozen = sum(x.numel() for x in parts.trainable), sum(x.numel() for x in parts.frozen)
     scaling = "off" if p.loss_scale is None else "dynamic" if p.loss_scale.dynamic else "static"
     master = "" if p.master == p.compute else f", master {p.master.value}"
+    if s.runtime.autocast:
+        master += f", forward under torch.autocast({s.runtime.autocast})"
     clip = f"{s.gradient_clipping:g}" if s.gradient_clipping > 0 else "off"
     kernel = "fused" if run.optimizer.optimizer.defaults.get("fused") else "torch"
     states = {k: memory.get(k, 0) for k in ("params", "grads", "optimizer_states")}

@@ -29,7 +29,7 @@ from zeroshard.api.banner import log_startup, log_step
 from zeroshard.api.compiled import take_over_module_compiles
 from zeroshard.api.gathered import register_engine, unregister_engine
 from zeroshard.api.offload_states import EngineStates
-from zeroshard.api.surface import EngineSurface, cast_floats, needs_grad
+from zeroshard.api.surface import EngineSurface, autocast_forward, cast_floats, needs_grad
 from zeroshard.comm import Comm, CommLedger, Topology
 from zeroshard.monitor import open_monitors
 from zeroshard.monitor.flops import open_flops_profiler
@@ -137,7 +137,8 @@ class Engine(EngineSurface):
             take_over_module_compiles(self.stage3)
         self.params.begin_forward()
         try:
-            out = self.module(*args, **kwargs)
+            with autocast_forward(self.settings.runtime.autocast, self.topology.device):
+                out = self.module(*args, **kwargs)
         finally:
             self.params.end_forward()
             if self.flops_profiler:

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from zeroshard.api.engine import Engine, SchedulerArg
+from zeroshard.api.surface import resolve_autocast
 from zeroshard.comm import discover, setup_topology, world_size_hint
 from zeroshard.config import load_config
 from zeroshard.optim.template import OptimizerArg
@@ -44,4 +45,4 @@ def initialize(model: nn.Module, config: Mapping[str, Any] | str | os.PathLike, 
                            world_size_hint(), hidden_size=hidden)
     _configure_logging()
     topology = setup_topology(settings.runtime.comm_timeout_s)
-    return Engine(model, settings, topology, optimizer, lr_scheduler)
+    return Engine(model, resolve_autocast(settings, topology.device), topology, optimizer, lr_scheduler)

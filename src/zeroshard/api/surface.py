@@ -5,9 +5,13 @@ api/engine.py reads as the training loop."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
+
+from zeroshard.config.build import AUTOCAST_FP16
+from zeroshard.policies import NotSupportedYetError, Settings
 
 log = logging.getLogger("zeroshard")
 
@@ -92,6 +96,24 @@ class EngineSurface:
     def timers(self) -> dict[str, float]:
         """Cumulative seconds in forward, backward and step (wall_clock_breakdown)."""
         return dict(self._timers)
+
+
+def resolve_autocast(settings: Settings, device: torch.device) -> Settings:
+    """`torch_autocast` without a dtype runs in torch.autocast's default for `device`."""
+    if settings.runtime.autocast != "default":
+        return settings
+    dtype = str(torch.get_autocast_dtype(device.type)).replace("torch.", "")
+    if dtype == "float16":
+        raise NotSupportedYetError(AUTOCAST_FP16)
+    return dataclasses.replace(settings, runtime=dataclasses.replace(settings.runtime, autocast=dtype))
+
+
+def autocast_forward(dtype_name: str | None, device: torch.device):
+    """DeepSpeed's `torch_autocast`: the forward under `torch.autocast` in that dtype (replacing
+    an autocast the caller opened, as DeepSpeed's `autocast_if_enabled` does), else nothing."""
+    if dtype_name is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype_name), enabled=True)
 
 
 def cast_floats(obj, dtype: torch.dtype):

@@ -17,7 +17,7 @@ from zeroshard.config.support import MONITORS
 from zeroshard.config.zero_schema import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from zeroshard.policies import (
     ActivationOffloadPolicy, AioPolicy, BatchPolicy, CommsLoggerPolicy, ConfigError, GradientReducePolicy,
-    LossScalePolicy, OffloadDevice, OffloadPolicy,
+    LossScalePolicy, NotSupportedYetError, OffloadDevice, OffloadPolicy,
     OptimizerSpec, Precision, PrecisionPolicy, RuntimePolicy, SchedulerSpec, Settings, Stage,
     Stage3Policy, ZeroPlusPlusPolicy, ZeroPolicy,
 )
@@ -160,7 +160,34 @@ def runtime_policy(config: RootConfig) -> RuntimePolicy:
             raise ConfigError("fp16.auto_cast = true asks to cast the forward inputs to fp16, but "
                               "zeroshard.cast_forward_inputs = false says not to; remove one of them")
         policy = dataclasses.replace(policy, cast_forward_inputs=True)
+    if config.torch_autocast is not None and config.torch_autocast.enabled:
+        policy = dataclasses.replace(policy, autocast=autocast_dtype(config.torch_autocast.dtype))
     return policy
+
+
+# DeepSpeed's DtypeEnum spellings (deepspeed/runtime/config.py)
+_AUTOCAST_NAMES = {**dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16"), "bfloat16"),
+                   **dict.fromkeys(("torch.float16", "fp16", "float16", "half"), "float16")}
+
+
+def autocast_dtype(name: str | None) -> str:
+    """`torch_autocast.dtype` as a torch dtype name; unset: "default", torch.autocast's default
+    for the device (float16 on CUDA, bfloat16 on the CPU; api/surface.resolve_autocast), as
+    DeepSpeed leaves it to torch."""
+    if name is None:
+        return "default"
+    dtype = _AUTOCAST_NAMES.get(str(name))
+    if dtype is None:
+        raise ConfigError(f"torch_autocast.dtype = {name!r} is not a dtype autocast runs in: use \"bfloat16\" "
+                          "(DeepSpeed also spells it \"bf16\" or \"torch.bfloat16\")")
+    if dtype == "float16":
+        raise NotSupportedYetError(AUTOCAST_FP16)
+    return dtype
+
+
+AUTOCAST_FP16 = ("torch_autocast in float16 is not built yet in zeroshard (it needs a gradient scaler over the fp32 "
+                 "parameters, DeepSpeed's GradScaler); set torch_autocast.dtype to \"bfloat16\", or use the fp16 "
+                 "section instead")
 
 
 def build_notes(config: RootConfig) -> list[str]:
@@ -168,6 +195,11 @@ def build_notes(config: RootConfig) -> list[str]:
     if config.gradient_clipping is None:
         notes.append("gradient_clipping not set: zeroshard does not clip gradients (DeepSpeed 0.19 defaults "
                      "to 1.0; add \"gradient_clipping\": 1.0 to match it)")
+    if config.torch_autocast is not None and config.torch_autocast.enabled:
+        notes.append("torch_autocast: the forward runs under torch.autocast; parameters, gradients and their "
+                     "reduction stay fp32 (DeepSpeed reduces the gradients of its lower_precision_safe_modules "
+                     "in the autocast dtype at stages 1-2: zeroshard's are exact, at twice the bytes), so "
+                     "torch_autocast.lower_precision_safe_modules has no effect")
     zero = config.zero
     if zero.stage in (1, 2) and zero.overlap_comm is None:
         notes.append("zero_optimization.overlap_comm not set: zeroshard overlaps gradient reduction with "

@@ -104,7 +104,6 @@ GAPS: tuple[Gap, ...] = (
         lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_master_weights_and_grads)), "false"),
     Gap("bf16.bf16_optimizer_states",
         lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_optimizer_states)), "false"),
-    Gap("torch_autocast.enabled", lambda c: _when(bool(c.torch_autocast and c.torch_autocast.enabled)), "false"),
     Gap("data_types.grad_accum_dtype", lambda c: _grad_accum_other(c), "null or the model's dtype", frozenset({1})),
     Gap("managed_gradient_accumulation", lambda c: _when(not c.managed_gradient_accumulation, False), "true"),
     Gap("activation_checkpointing.partition_activations",

@@ -223,6 +223,7 @@ class RuntimePolicy:
     cast_forward_inputs: bool = True  # floating inputs are cast to the compute dtype
     step_during_backward: bool | None = None  # None: on where nothing forbids it (stages 0-2)
     trim_host_memory: bool | None = None  # None: on where the host holds training state
+    autocast: str | None = None  # DeepSpeed's torch_autocast: the forward runs under torch.autocast in this dtype
 
 
 @dataclass(frozen=True)
