@@ -318,7 +318,6 @@ _NSY = [
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile = true"),
     ({"compile": {"autoep_non_moe": True}}, "compile.autoep_non_moe = true"),
-    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, 'optimizer.type = "Lamb"'),
     ({"optimizer": {"type": "OneBitAdam"}}, 'optimizer.type = "OneBitAdam"'),
     ({"optimizer": {"type": "muon"}}, 'optimizer.type = "muon"'),
 ]

@@ -15,11 +15,13 @@ DeepSpeed semantics kept on purpose, because configs are copied between systems:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
 from zeroshard.policies import ConfigError, NotSupportedYetError, OptimizerSpec
 
@@ -35,10 +37,12 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
     "sgd": frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov"}),
     "adagrad": frozenset({"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"}),
     "lion": frozenset({"lr", "betas", "weight_decay"}),
+    "lamb": frozenset({"lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_coeff",
+                       "min_coeff", "amsgrad"}),
 }
 
 # DeepSpeed optimizers with no torch equivalent yet: a clear "not yet", not "unknown".
-_DEEPSPEED_NOT_YET = frozenset({"lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd"})
+_DEEPSPEED_NOT_YET = frozenset({"onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd"})
 
 
 def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -68,6 +72,8 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
         params["betas"] = (float(betas[0]), float(betas[1]))
     if kind == "lion":
         return Lion, params
+    if kind == "lamb":
+        return Lamb, params
 
     if not params.pop("bias_correction", True):
         raise ConfigError(f"optimizer {spec.type!r}: bias_correction=false is not supported by torch's Adam; "
@@ -101,8 +107,9 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.Tensor] | Iterab
         torch.zeros(1, device=device_type)
     except (RuntimeError, AssertionError) as e:
         raise ConfigError(f"optimizer device type {device_type!r} is not available: {e}") from e
+    loop = {"foreach": False} if "foreach" in inspect.signature(cls).parameters else {}  # always available
     kernel = next((k for k in ({"fused": True}, {"foreach": True}) if _probe(cls, {**kwargs, **k}, device_type)),
-                  {"foreach": False})  # the for-loop: always available
+                  loop)
     try:
         return cls(list(params), **kwargs, **kernel)
     except ValueError as e:
@@ -121,8 +128,10 @@ def optimizer_kernel(opt: torch.optim.Optimizer) -> str:
 def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     """fp32 optimizer-state bytes per parameter, for estimates and docs: Adam/AdamW keep exp_avg
     and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12), SGD a momentum buffer only when
-    momentum != 0 (4 or 0), Adagrad the sum of squares (4), Lion its momentum (4). torch's scalar `step` is not counted."""
+    momentum != 0 (4 or 0), Adagrad the sum of squares (4), Lion its momentum (4), Lamb its two moments (8). torch's scalar `step` is not counted."""
     cls, kwargs = _classify(spec)
+    if cls is Lamb:
+        return 8
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return 12 if kwargs.get("amsgrad") else 8
     if cls is torch.optim.SGD:

@@ -28,8 +28,10 @@ import torch
 
 from zeroshard.offload import DeviceTier, Tier
 from zeroshard.offload.fences import CopyFences
+from zeroshard.optim.lamb import LAMB_SHARDED
 from zeroshard.partition import FlatBucket, MemoryLedger
 from zeroshard.partition.layout import sub_groups
+from zeroshard.policies import ConfigError
 
 Builder = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -61,6 +63,7 @@ class ShardedOptimizer:
             for g, options in enumerate(group_options)
         ]
         self.optimizer = build(groups)
+        _tell_tensors(self.optimizer, self.masters, buckets)
         self._sub_groups = sub_groups([m.numel() for m in self.masters], sub_group_size)
         self._sub_group_of = {b: k for k, indices in enumerate(self._sub_groups) for b in indices}
         self._final: dict[int, set[int]] = {}  # sub-group -> its buckets whose gradients are final
@@ -316,3 +319,15 @@ class _GradStaging:
             self._buffers[self._turn] = buf
             self._memory.hold("comm_buffers", f"grad_staging{self._turn}", buf.nbytes, tier="host")
         return buf
+
+
+def _tell_tensors(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
+    """An optimizer whose update needs whole tensors (Lamb's trust ratio: optim/lamb.py) learns
+    where each parameter lies in each master; only a whole bucket (stage 0) holds them whole."""
+    split = getattr(optimizer, "split_into_tensors", None)
+    if split is None:
+        return
+    if any(b.layout.shard_count > 1 for b in buckets):
+        raise ConfigError(LAMB_SHARDED)
+    for master, bucket in zip(masters, buckets):
+        split(master, [(slot.offset, slot.numel) for slot in bucket.layout.slots])
