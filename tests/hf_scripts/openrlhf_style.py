@@ -68,8 +68,10 @@ def eval_ds_config(stage: int, offload: bool) -> dict:
 def tiny(config: dict) -> dict:
     """A model this small would be kept whole under DeepSpeed's default persistence threshold
     (1e5 elements): every parameter sharded, small buckets, so each gather is real."""
-    config["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=2048,
-                                       **({"reduce_bucket_size": 2048} if "reduce_bucket_size" in config["zero_optimization"] else {}))
+    zero = config["zero_optimization"]
+    zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=2048)
+    if "reduce_bucket_size" in zero:
+        zero["reduce_bucket_size"] = 2048
     return config
 
 
@@ -119,7 +121,8 @@ def moving_average(model, model_ema, beta: float, zero3: bool, modifier_rank: in
             import deepspeed
             from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-            fetch = [p for p in [param, param_ema] if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            fetch = [p for p in [param, param_ema]  # _z3_params_to_fetch
+                     if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
             with deepspeed.zero.GatheredParameters(fetch, enabled=len(fetch) > 0, modifier_rank=modifier_rank):
                 param_ema.data.copy_((1 - beta) * param.data + beta * param_ema.data)
 
@@ -147,7 +150,8 @@ def broadcast_to_vllm(policy, vllm, zero3: bool) -> None:
 # -- the algorithm --------------------------------------------------------------------------
 def sequences() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    start, stride = torch.randint(4, VOCAB, (GLOBAL_BATCH, 1), generator=g), torch.randint(1, 5, (GLOBAL_BATCH, 1), generator=g)
+    start = torch.randint(4, VOCAB, (GLOBAL_BATCH, 1), generator=g)
+    stride = torch.randint(1, 5, (GLOBAL_BATCH, 1), generator=g)
     seqs = 4 + (start + stride * torch.arange(SEQ) - 4) % (VOCAB - 4)
     rewards = (seqs[:, 1:] % 3 == 0).float().mean(1)
     return seqs, rewards - 0.2  # a fixed baseline: advantages of both signs, a loss away from 0
@@ -180,7 +184,8 @@ def build(zero3: bool, steps: int):
     engine, opt, _, sched = deepspeed.initialize(
         model=policy, optimizer=None, model_parameters=groups, lr_scheduler=scheduler_factory(steps),
         config=tiny(train_ds_config(3, {"type": "AdamW", "params": adam})), args=local, dist_init_required=True)
-    evals = [deepspeed.initialize(model=m, args=local, config=tiny(eval_ds_config(3, offload)), dist_init_required=True)[0]
+    evals = [deepspeed.initialize(model=m, args=local, config=tiny(eval_ds_config(3, offload)),
+                                  dist_init_required=True)[0]
              for m, offload in ((ref, False), (ema, True), (released, True))]
     for e in evals:
         e.eval()
@@ -203,6 +208,8 @@ def main() -> None:
     accumulated = GLOBAL_BATCH // MICRO // world
     policy, opt, sched, ref, ema, released, vllm = build(zero3, args.steps)
     init = None if zero3 else {n: p.detach().clone() for n, p in ema.named_parameters()}
+    if zero3:  # the initial offload of OpenRLHF's enable_sleep, before the optimizer has states
+        offload_deepspeed_states(policy)
     seqs, adv = sequences()
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     seqs, adv = seqs[rows], adv[rows]
@@ -232,9 +239,9 @@ def main() -> None:
                     opt.zero_grad()
                 else:
                     norms.append(float(policy.get_global_grad_norm()))
-                moving_average(policy.module if zero3 else policy, ema.module if zero3 else ema, BETA_EMA, zero3, 0)
+                moving_average(policy, ema, BETA_EMA, zero3, 0)  # the engines, as OpenRLHF's Actor passes them
                 if zero3:
-                    moving_average(policy.module, released.module, BETA_EMA, zero3, None)
+                    moving_average(policy, released, BETA_EMA, zero3, None)
         if zero3:
             torch.distributed.all_reduce(step_loss)
             step_loss /= world
