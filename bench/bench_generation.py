@@ -30,8 +30,8 @@ with one torch thread; each system runs in its own processes (a child of this sc
 alternating round by round, and zeroshard's four variants alternating inside each round.
 
 Measured per variant: tokens/s = 64 / the generate call's wall time (the slower rank; a barrier
-before each call), median over all rounds' repeats (--repeats per round; the slow zeroshard
-variants one per round), with min-max; peak RSS per rank = the kernel's VmHWM over the timed calls
+before each call), median over all rounds' repeats (--repeats per round; the slow variants, the
+budgets and both per-forward paths, one per round), with min-max; peak RSS per rank = the kernel's VmHWM over the timed calls
 (reset with /proc/self/clear_refs after each training step, so model building and the step are
 left out); all-gathers and gathered bytes (full fp32 tensors) per generate call: zeroshard's comm
 ledger, DeepSpeed's calls of torch.distributed's all-gathers (wrapped before it is imported). "est." is zeroshard's estimator
@@ -60,7 +60,7 @@ MODELS = {"50m": dict(n_embd=512, n_layer=8, n_head=8), "150m": dict(n_embd=768,
 VOCAB, PROMPT, NEW, SEED = 50257, 16, 64, 1234
 ZS_VARIANTS = ("zs gather", "zs 50%", "zs 25%", "zs per-fwd")
 DS_VARIANTS = ("ds per-fwd", "ds gathered")
-SLOW = ("zs 50%", "zs 25%", "zs per-fwd")  # one call per round (each ~10x the gathered ones)
+SLOW = ("zs 50%", "zs 25%", "zs per-fwd", "ds per-fwd")  # one call per round (each several x a gathered one)
 BUDGETS = {"zs gather": None, "zs 50%": 0.5, "zs 25%": 0.25, "zs per-fwd": "off"}
 
 
@@ -251,9 +251,10 @@ def deepspeed_rank(rank: int, world: int, model_name: str, repeats: int, order: 
             counts["gen_bytes"] += counts["bytes"] - sent
             return tokens
 
-        out[name] = timed(run, repeats, dist.barrier, lambda: train_step(engine, engine.backward, engine.step))
-        out[name]["gathers"] = counts["gen_calls"] / repeats
-        out[name]["gathered"] = counts["gen_bytes"] / repeats
+        n = 1 if name in SLOW else repeats
+        out[name] = timed(run, n, dist.barrier, lambda: train_step(engine, engine.backward, engine.step))
+        out[name]["gathers"] = counts["gen_calls"] / n
+        out[name]["gathered"] = counts["gen_bytes"] / n
     return out
 
 
@@ -379,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the 50m model only, 2 rounds")
     ap.add_argument("--models", default="50m,150m", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="timed generate calls per variant per round (the slow zeroshard variants: 1)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="timed generate calls per variant per round (the per-forward and budget variants: 1)")
     ap.add_argument("--no-ds", action="store_true", help="leave DeepSpeed out")
     ap.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/dsvenv/bin/python"),
                     help="a python with deepspeed installed (default $DS_PYTHON or /work/dsvenv/bin/python)")
