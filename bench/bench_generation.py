@@ -10,36 +10,25 @@ and "150m" (d 768, 16 layers, 152.2M). Each system decodes greedily 64 new token
 batch 1, min_new_tokens = 64 so that every run has the same length) from the same 16-token prompt:
 
   (a) unsharded    the whole model in one process: the limit.
-  (b) zs gather    zeroshard stage 3, `with engine.generation(): engine.module.generate(...)`: each
-                   unit gathered once for the 64 tokens (stages/generation.py).
-  (c) zs 50% / 25% the same with max_bytes = 50% / 25% of the model's bytes: the units that fit
-                   are kept, the others gathered for each forward.
-  (d) zs per-fwd   zeroshard stage 3, plain `engine.module.generate(...)`: every unit gathered for
-                   every forward (the default stage-3 path).
-  (e) ds per-fwd   DeepSpeed ZeRO-3 (its own venv, DS_ACCELERATOR=cpu), plain `module.generate(...)`.
-      ds gathered  DeepSpeed with TRL's `unwrap_model_for_generation`: GatheredParameters over all
-                   parameters, the ZeRO-3 hooks removed for generate and registered again after.
+  (b) zs gather    zeroshard stage 3, `with engine.generation(): engine.module.generate(...)`.
+  (c) zs 50% / 25% the same with max_bytes = 50% / 25% of the model's bytes (units that fit kept).
+  (d) zs per-fwd   plain `engine.module.generate(...)`: every unit gathered for every forward.
+  (e) ds per-fwd   DeepSpeed ZeRO-3 (its own venv, DS_ACCELERATOR=cpu), plain `module.generate(...)`;
+      ds gathered  TRL's unwrap_model_for_generation: GatheredParameters, hooks removed around generate.
 
-Both ZeRO-3 systems are training engines (AdamW, lr 0, DeepSpeed's defaults for stage 3 otherwise)
-that take one training step (untimed) before each timed generate, as in an RL loop: generation
-starts from the state a step leaves (parameters partitioned, optimizer states allocated); lr 0
-leaves the weights unchanged and the tokens comparable with (a). (Without that step DeepSpeed's
-plain generate would find the whole model still gathered from the previous call: with its default
-stage3_max_reuse_distance / max_live_parameters of 1e9 it keeps every gathered parameter in eval.) Every rank is one process
-with one torch thread; each system runs in its own processes (a child of this script), the systems
-alternating round by round, and zeroshard's four variants alternating inside each round.
+Both ZeRO-3 systems are training engines (AdamW, lr 0, stage-3 defaults) that take one untimed
+training step before each timed generate, as in an RL loop (lr 0 keeps the tokens comparable with
+(a)); without it DeepSpeed's plain generate finds the whole model still gathered (reuse distance 1e9).
+One torch thread per rank; each system in its own child processes, systems alternating by round.
 
 Measured per variant: tokens/s = 64 / the generate call's wall time (the slower rank; a barrier
 before each call), median over all rounds' repeats (--repeats per round; the slow variants, the
 budgets and both per-forward paths, one per round), with min-max; peak RSS per rank = the kernel's VmHWM over the timed calls
 (reset with /proc/self/clear_refs after each training step, so model building and the step are
 left out); all-gathers and gathered bytes (full fp32 tensors) per generate call: zeroshard's comm
-ledger, DeepSpeed's calls of torch.distributed's all-gathers (wrapped before it is imported). "est." is zeroshard's estimator
-(estimate_memory, the engine's stage-3 layout, fp32 AdamW, host_is_device) for what generation
-holds per rank: model states + the live units (per-forward) or + the kept units (gather-once /
-budget); the measured RSS also holds the interpreter, torch and transformers (the "(a)" row minus
-the model shows how much). The tokens of (b), (c), (d) are asserted equal to (a)'s; DeepSpeed's
-are compared and shown.
+ledger, DeepSpeed's calls of torch.distributed's all-gathers (wrapped before it is imported). "est." is zeroshard's estimator (fp32 AdamW, the engine's stage-3 layout, host_is_device): model
+states + the live units (per-forward) or + the kept units; RSS also holds the interpreter and
+libraries (the (a) row minus the model). Tokens of (b), (c), (d) are asserted equal to (a)'s.
 """
 
 from __future__ import annotations
