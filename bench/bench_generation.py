@@ -4,10 +4,8 @@
     python bench/bench_generation.py --quick    # the ~50M GPT only, 2 rounds
     python bench/bench_generation.py --no-ds    # without DeepSpeed
 
-The models are transformers' GPT2LMHeadModel from a GPT2Config (vocabulary 50,257, tied head),
-random weights from a fixed seed, nothing downloaded: "50m" (d 512, 8 layers, 51.5M parameters)
-and "150m" (d 768, 16 layers, 152.2M). Each system decodes greedily 64 new tokens (use_cache on,
-batch 1, min_new_tokens = 64 so that every run has the same length) from the same 16-token prompt:
+GPT2LMHeadModel from a GPT2Config (vocab 50,257, tied head, seeded random init, no hub): "50m" (d 512,
+8 layers, 51.5M) and "150m" (d 768, 16 layers, 152.8M); greedy, 64 new tokens (min_new_tokens 64), use_cache, batch 1, 16-token prompt:
 
   (a) unsharded    the whole model in one process: the limit.
   (b) zs gather    zeroshard stage 3, `with engine.generation(): engine.module.generate(...)`.
