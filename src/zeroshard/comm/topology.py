@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import datetime
+import gc
 import importlib
 import logging
 import os
@@ -175,9 +175,7 @@ class Topology:
         if self.owns_group and dist.is_initialized():
             for h in self._hierarchies.values():
                 for g in (h.intra, h.inter, h.hpz):
-                    if g.ref in _own_groups:
-                        _own_groups.remove(g.ref)
-                        g.ref.destroy()
+                    _release(g.ref)
             self._hierarchies.clear()
             dist.destroy_process_group()
             _created.clear()
@@ -190,13 +188,18 @@ class Topology:
         groups = [g.ref for h in self._hierarchies.values() for g in (h.intra, h.inter, h.hpz)]
         self._hierarchies.clear()
         for group in [*groups, self.group]:
-            if group is not None and group in _own_groups:
-                _own_groups.remove(group)
-                group.destroy()
+            _release(group)
 
 
 _created: list[bool] = []  # non-empty while a group zeroshard created is alive
 _own_groups: list[GroupRef] = []  # groups made on a user's default group, until released
+
+
+def _release(group: GroupRef | None) -> None:
+    """Destroy `group` if it is one of zeroshard's own that is still alive."""
+    if group is not None and group in _own_groups:
+        _own_groups.remove(group)
+        group.destroy()
 
 # Modules torch imports lazily on first use (building any torch.optim optimizer imports
 # torch._dynamo). Imported after the process group exists, they keep a reference to it that
