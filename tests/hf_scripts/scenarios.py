@@ -25,6 +25,19 @@ SCENARIOS = {
     "dse_stage2": ("dse_cifar_style.py", ["--stage", "2", "--epochs", "2"], {}),
 }
 
+# The TRL scripts at ZeRO-3 (`--zero3` is added to each): what `record_deepspeed.py --trl` runs
+# under the real DeepSpeed (through ds_comm_first.py, with its flags: the third entry) and
+# tests/test_trl_deepspeed.py compares with; the figures are in TRL_FIGURES.
+TRL = {
+    "sft": ("trl_sft.py", ["--steps", "3"], []),
+    "dpo": ("trl_dpo.py", ["--steps", "4"], []),
+    "dpo_sync": ("trl_dpo.py", ["--steps", "4", "--sync"], []),
+    "grpo": ("trl_grpo.py", ["--steps", "2"], []),
+    "grpo_per_forward": ("trl_grpo.py", ["--steps", "2", "--per-forward"], ["--no-prefetch"]),
+    "grpo_beta": ("trl_grpo.py", ["--steps", "2", "--beta", "0.1"], []),
+}
+TRL_FIGURES = "tests/fixtures/trl_deepspeed/figures.json"  # relative to the repository
+
 # Filled in from `python tests/hf_scripts/record_deepspeed.py` (DeepSpeed 0.19.8, CPU accelerator).
 DEEPSPEED: dict = {'trainer_stage2': {'losses': [4.284703731536865, 4.288776397705078, 4.2880635261535645, 4.170248985290527],
                     'train_loss': 4.257948160171509,

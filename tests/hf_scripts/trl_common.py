@@ -43,7 +43,8 @@ def ds_config() -> dict:
 def common_args(args) -> dict:
     import torch
 
-    return dict(output_dir=args.out, per_device_train_batch_size=4, max_steps=args.steps, learning_rate=1e-3,
-                lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
-                report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
-                deepspeed=ds_config() if args.zero3 else None, use_cpu=not torch.cuda.is_available())
+    return dict(output_dir=args.out, per_device_train_batch_size=getattr(args, "batch", 4), max_steps=args.steps,
+                learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
+                save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                deepspeed=ds_config() if args.zero3 else None, use_cpu=not torch.cuda.is_available(),
+                bf16=False)  # fp32: TRL's configs default to bf16=True (bf16 weights at ZeRO-3, autocast under DDP)

@@ -1,6 +1,7 @@
 """TRL's DPOTrainer, unchanged, with a reference model (TRL prepares it with `prepare_deepspeed`: an
 engine without optimizer); `--sync` adds `sync_ref_model=True` (every 2 steps, alpha 0.5: TRL's
-GatheredParameters over policy + reference, modifier_rank=0). With `--zero3` a ZeRO-3 DeepSpeed
+GatheredParameters over policy + reference, modifier_rank=0); `--batch` the per-device batch (4; one
+process with 8 sees the global batch of 2 ranks x 4). With `--zero3` a ZeRO-3 DeepSpeed
 config, else plain DDP. Rank 0 prints `RESULT {json}`: the losses and the chosen rewards."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def main() -> None:
     p.add_argument("--zero3", action="store_true")
     p.add_argument("--sync", action="store_true")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4)  # per device; 8 in one process = 2 ranks x 4
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
