@@ -204,3 +204,48 @@ def test_bad_parameters_are_one_line_errors():
         build_optimizer(OptimizerSpec("muon", {"ns_method": "svd"}), [p])
     with pytest.raises(NotSupportedYetError, match="per_head_muon"):
         build_optimizer(OptimizerSpec("muon", {"per_head_muon": True}), [p])
+
+
+def test_checkpoint_resume_keeps_each_halfs_states(tmp_path):
+    """Muon's halves keep different states (momentum_buffer; step, exp_avg, exp_avg_sq): a
+    checkpoint records them per bucket, and 3 steps + save + load + 2 steps train as 5 do."""
+    from oracle import MICRO, batch, loss_of
+
+    case = Case(stage=2, steps=3)
+    engine, _ = train_engine(case, 0, 1, _config(case, SECTION))
+    engine.save_checkpoint(str(tmp_path), tag="three")
+    engine.close()
+    engine = zeroshard.initialize(make_model(case), _config(case, SECTION))
+    engine.load_checkpoint(str(tmp_path), tag="three")
+    names = {frozenset(s) for s in engine.optimizer.state.values()}
+    assert names == {frozenset({"momentum_buffer"}), frozenset({"step", "exp_avg", "exp_avg_sq"})}
+    for step in (3, 4):
+        x, y = batch(case, step, 1)
+        engine.backward(loss_of(engine, x[:MICRO], y[:MICRO]))
+        engine.step()
+    got = {k: v.float() for k, v in engine.module.state_dict().items()}
+    full = case.with_(steps=5)
+    want = train_reference(full, 1, make_optimizer=lambda params: ReferenceMuon(params, _tags(full)))
+    assert adam_fraction_off(got, want) <= 0.02
+    engine.close()
+
+
+def test_deepspeed_muon_instance_is_rebuilt_over_the_shards():
+    """A script's own `MuonWithAuxAdam(param_groups)` (DeepSpeed's class, groups with use_muon)
+    given to deepspeed.initialize: rebuilt over the fp32 shards, trains as the algorithm."""
+    from zeroshard.deepspeed import initialize
+    from zeroshard.deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    case = Case(stage=2, steps=3)
+    cfg = config_for(case, 1)
+    del cfg["optimizer"]
+    model = make_model(case)
+    halves = [[p for n, p in model.named_parameters() if deepspeed_rule(n, p) is tag] for tag in (True, False)]
+    groups = [dict(params=halves[0], use_muon=True, lr=MUON_LR, momentum=MOMENTUM, weight_decay=WD),
+              dict(params=halves[1], use_muon=False, lr=ADAM_LR, weight_decay=WD)]
+    engine, *_ = initialize(model=model, optimizer=MuonWithAuxAdam(groups), config=cfg)
+    run_steps(engine, case, 0, 1)
+    assert type(engine.optimizer.optimizer) is MuonWithAuxAdam
+    got = {k: v.float() for k, v in engine.module.state_dict().items()}
+    want = train_reference(case, 1, make_optimizer=lambda params: ReferenceMuon(params, _tags(case)))
+    assert adam_fraction_off(got, want) <= 0.02
