@@ -249,3 +249,24 @@ def test_deepspeed_muon_instance_is_rebuilt_over_the_shards():
     got = {k: v.float() for k, v in engine.module.state_dict().items()}
     want = train_reference(case, 1, make_optimizer=lambda params: ReferenceMuon(params, _tags(case)))
     assert adam_fraction_off(got, want) <= 0.02
+
+
+def test_no_tagged_matrix_is_all_adam_with_muons_adam_defaults():
+    """Nothing tagged use_muon = True: DeepSpeed builds only the Adam half, AdamW with Muon's
+    Adam defaults (betas (0.9, 0.95), eps 1e-10) and the config's lr and weight decay."""
+    torch.manual_seed(0)
+    ours = [torch.randn(5, 3, requires_grad=True), torch.randn(4, requires_grad=True)]
+    for t in ours:
+        t.use_muon = False
+    ref = [t.detach().clone().requires_grad_() for t in ours]
+    opt = build_optimizer(OptimizerSpec("muon", {"lr": 1e-2, "weight_decay": 0.1}), ours)
+    assert [g["use_muon"] for g in opt.param_groups] == [False]
+    adamw = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.1)
+    for _ in range(3):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt.step()
+        adamw.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
