@@ -148,7 +148,7 @@ def load_optimizer(reader: CheckpointReader, ts) -> None:
         per: dict[str, Any] = {}
         for name, kind in kinds.items():
             field = f"optim.{name}"
-            if kind != JSON and not _saved_for(reader, bucket, field):
+            if kind != JSON and not reader.holds(bucket.slots[0].name, field):
                 continue  # a state of another param group (Muon's halves keep different ones)
             if kind == ELEMENTWISE:
                 t = torch.empty_like(master)
@@ -167,12 +167,6 @@ def load_optimizer(reader: CheckpointReader, ts) -> None:
         groups.append({**{k: v for k, v in group.items() if k != "params"}, **restored,
                        "params": [index[id(p)] for p in group["params"]]})
     opt.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _saved_for(reader: CheckpointReader, bucket, field: str) -> bool:
-    """Whether the checkpoint holds `field` for the parameters of `bucket` (all of one group)."""
-    saved = reader.where.get(reader.canonical(bucket.slots[0].name))
-    return saved is None or field in saved[0].fields
 
 
 def _scalar(reader: CheckpointReader, bucket, field: str, name: str) -> torch.Tensor:
