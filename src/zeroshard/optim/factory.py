@@ -23,6 +23,8 @@ import torch
 
 from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
+from zeroshard.optim.muon import Muon
+from zeroshard.optim.muon_groups import MUON_KEYS, build_muon
 from zeroshard.policies import ConfigError, NotSupportedYetError, OptimizerSpec
 
 __all__ = ["build_optimizer", "optimizer_kernel", "optimizer_state_bytes_per_param"]
@@ -39,6 +41,7 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
     "lion": frozenset({"lr", "betas", "weight_decay"}),
     "lamb": frozenset({"lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_coeff",
                        "min_coeff", "amsgrad"}),
+    "muon": MUON_KEYS,
 }
 
 # DeepSpeed optimizers with no torch equivalent yet: a clear "not yet", not "unknown".
@@ -61,6 +64,8 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
     if unknown:
         raise ConfigError(f"optimizer {spec.type!r}: unknown parameter(s) {unknown}; "
                           f"valid keys: {sorted(_VALID_KEYS[kind])}")
+    if kind == "muon":  # param groups split by use_muon: optim/muon_groups.py
+        return Muon, params
     if kind == "sgd":
         return torch.optim.SGD, params
     if kind == "adagrad":
@@ -103,6 +108,8 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.Tensor] | Iterab
     """A torch optimizer over `params` (tensors or param-group dicts) as `spec` describes;
     ConfigError naming the optimizer and the key for anything invalid."""
     cls, kwargs = _classify(spec)
+    if cls is Muon:
+        return build_muon(params, kwargs)
     try:
         torch.zeros(1, device=device_type)
     except (RuntimeError, AssertionError) as e:
@@ -130,7 +137,7 @@ def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12), SGD a momentum buffer only when
     momentum != 0 (4 or 0), Adagrad the sum of squares (4), Lion its momentum (4), Lamb its two moments (8). torch's scalar `step` is not counted."""
     cls, kwargs = _classify(spec)
-    if cls is Lamb:
+    if cls in (Lamb, Muon):  # Muon: 4 (momentum) for matrices, 8 (AdamW) for the rest; the upper bound
         return 8
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return 12 if kwargs.get("amsgrad") else 8
