@@ -23,7 +23,9 @@ import torch
 
 from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
+from zeroshard.optim.onebit import OneBitAdam
 from zeroshard.policies import ConfigError, NotSupportedYetError, OptimizerSpec
+from zeroshard.policies.onebit import ONEBIT_ADAM_KEYS, ONEBIT_KINDS, onebit_kwargs
 
 __all__ = ["build_optimizer", "optimizer_kernel", "optimizer_state_bytes_per_param"]
 
@@ -39,10 +41,11 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
     "lion": frozenset({"lr", "betas", "weight_decay"}),
     "lamb": frozenset({"lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_coeff",
                        "min_coeff", "amsgrad"}),
+    "onebitadam": ONEBIT_ADAM_KEYS,
 }
 
 # DeepSpeed optimizers with no torch equivalent yet: a clear "not yet", not "unknown".
-_DEEPSPEED_NOT_YET = frozenset({"onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd"})
+_DEEPSPEED_NOT_YET = frozenset({"zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd"})
 
 
 def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -54,7 +57,7 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
     if kind not in _VALID_KEYS:
         raise ConfigError(f"unknown optimizer type {spec.type!r}; valid types: {sorted(_VALID_KEYS)}")
     params = dict(spec.params)
-    if "max_grad_norm" in params:
+    if "max_grad_norm" in params and kind not in ONEBIT_KINDS:
         raise ConfigError(f"optimizer {spec.type!r}: 'max_grad_norm' is not an optimizer parameter; "
                           "set the top-level 'gradient_clipping' instead")
     unknown = sorted(set(params) - _VALID_KEYS[kind])
@@ -72,6 +75,8 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
         params["betas"] = (float(betas[0]), float(betas[1]))
     if kind == "lion":
         return Lion, params
+    if kind == "onebitadam":
+        return OneBitAdam, onebit_kwargs(params)
     if kind == "lamb":
         return Lamb, params
 
@@ -130,7 +135,7 @@ def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12), SGD a momentum buffer only when
     momentum != 0 (4 or 0), Adagrad the sum of squares (4), Lion its momentum (4), Lamb its two moments (8). torch's scalar `step` is not counted."""
     cls, kwargs = _classify(spec)
-    if cls is Lamb:
+    if cls in (Lamb, OneBitAdam):  # the 1-bit errors come on top after freeze_step (error_bytes)
         return 8
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return 12 if kwargs.get("amsgrad") else 8
