@@ -6,9 +6,9 @@ known but unbuilt one as not supported yet. When one lands, move it to the BUILT
 
 from __future__ import annotations
 
-BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion", "lamb", "onebitadam")
+BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion", "lamb", "onebitadam", "zerooneadam")
 UNBUILT_OPTIMIZERS = (
-    "muon", "muadam", "muadamw", "musgd", "zerooneadam",
+    "muon", "muadam", "muadamw", "musgd",
     "onebitlamb", "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
     "lbfgs", "sparseadam", "adafactor",
 )

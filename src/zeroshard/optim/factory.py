@@ -24,8 +24,9 @@ import torch
 from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
 from zeroshard.optim.onebit import OneBitAdam
+from zeroshard.optim.zeroone import ZeroOneAdam
 from zeroshard.policies import ConfigError, NotSupportedYetError, OptimizerSpec
-from zeroshard.policies.onebit import ONEBIT_ADAM_KEYS, ONEBIT_KINDS, onebit_kwargs
+from zeroshard.policies.onebit import ONEBIT_ADAM_KEYS, ONEBIT_KINDS, ZERO_ONE_ADAM_KEYS, onebit_kwargs
 
 __all__ = ["build_optimizer", "optimizer_kernel", "optimizer_state_bytes_per_param"]
 
@@ -42,10 +43,11 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
     "lamb": frozenset({"lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_coeff",
                        "min_coeff", "amsgrad"}),
     "onebitadam": ONEBIT_ADAM_KEYS,
+    "zerooneadam": ZERO_ONE_ADAM_KEYS,
 }
 
 # DeepSpeed optimizers with no torch equivalent yet: a clear "not yet", not "unknown".
-_DEEPSPEED_NOT_YET = frozenset({"zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd"})
+_DEEPSPEED_NOT_YET = frozenset({"onebitlamb", "muadam", "muadamw", "musgd"})
 
 
 def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -75,8 +77,8 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
         params["betas"] = (float(betas[0]), float(betas[1]))
     if kind == "lion":
         return Lion, params
-    if kind == "onebitadam":
-        return OneBitAdam, onebit_kwargs(params)
+    if kind in ("onebitadam", "zerooneadam"):
+        return {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam}[kind], onebit_kwargs(params)
     if kind == "lamb":
         return Lamb, params
 
@@ -135,6 +137,8 @@ def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12), SGD a momentum buffer only when
     momentum != 0 (4 or 0), Adagrad the sum of squares (4), Lion its momentum (4), Lamb its two moments (8). torch's scalar `step` is not counted."""
     cls, kwargs = _classify(spec)
+    if cls is ZeroOneAdam:  # m, v and the accumulated local updates; the 1-bit errors come on top
+        return 12
     if cls in (Lamb, OneBitAdam):  # the 1-bit errors come on top after freeze_step (error_bytes)
         return 8
     if cls in (torch.optim.Adam, torch.optim.AdamW):
