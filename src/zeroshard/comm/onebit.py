@@ -53,7 +53,9 @@ class OneBitAllReduce:
     ((start, length) each); keeps that tensor's worker and server errors between calls."""
 
     def __init__(self, comm: Comm, numel: int, spans: list[tuple[int, int]], device: torch.device,
-                 what: str = "") -> None:
+                 what: str = "", one_scale: bool = False) -> None:
+        """`one_scale`: one scale per rank (and per server chunk) over all the tensors together, as
+        1-bit Lamb exchanges its whole momentum as one flat tensor (rescaled per tensor first)."""
         n = comm.world_size
         self.comm, self.n, self.what = comm, n, what
         spans = [(s, ln) for s, ln in spans if ln > 0]
@@ -74,6 +76,10 @@ class OneBitAllReduce:
         per_rank = torch.tensor(chunks, dtype=torch.float32, device=device)
         self.worker_numel, self.server_numel = per_rank * n, per_rank
         self.tensors = len(spans)
+        if one_scale:
+            self.seg.zero_()
+            self.worker_numel, self.server_numel = self.worker_numel.sum(0, keepdim=True), per_rank.sum(0, keepdim=True)
+            self.tensors = 1
         self.worker_error = torch.zeros(n, self.columns, device=device)
         self.server_error = torch.zeros(self.columns, device=device)
 

@@ -6,10 +6,10 @@ known but unbuilt one as not supported yet. When one lands, move it to the BUILT
 
 from __future__ import annotations
 
-BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion", "lamb", "onebitadam", "zerooneadam")
+BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion", "lamb", "onebitadam", "zerooneadam", "onebitlamb")
 UNBUILT_OPTIMIZERS = (
     "muon", "muadam", "muadamw", "musgd",
-    "onebitlamb", "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
+    "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
     "lbfgs", "sparseadam", "adafactor",
 )
 KNOWN_OPTIMIZERS = BUILT_OPTIMIZERS + UNBUILT_OPTIMIZERS  # compared lower-cased, as DeepSpeed does

@@ -24,9 +24,12 @@ import torch
 from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
 from zeroshard.optim.onebit import OneBitAdam
+from zeroshard.optim.onebit_lamb import OneBitLamb
 from zeroshard.optim.zeroone import ZeroOneAdam
 from zeroshard.policies import ConfigError, NotSupportedYetError, OptimizerSpec
-from zeroshard.policies.onebit import ONEBIT_ADAM_KEYS, ONEBIT_KINDS, ZERO_ONE_ADAM_KEYS, onebit_kwargs
+from zeroshard.policies.onebit import (
+    ONEBIT_ADAM_KEYS, ONEBIT_KINDS, ONEBIT_LAMB_KEYS, ZERO_ONE_ADAM_KEYS, onebit_kwargs,
+)
 
 __all__ = ["build_optimizer", "optimizer_kernel", "optimizer_state_bytes_per_param"]
 
@@ -44,10 +47,11 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
                        "min_coeff", "amsgrad"}),
     "onebitadam": ONEBIT_ADAM_KEYS,
     "zerooneadam": ZERO_ONE_ADAM_KEYS,
+    "onebitlamb": ONEBIT_LAMB_KEYS,
 }
 
 # DeepSpeed optimizers with no torch equivalent yet: a clear "not yet", not "unknown".
-_DEEPSPEED_NOT_YET = frozenset({"onebitlamb", "muadam", "muadamw", "musgd"})
+_DEEPSPEED_NOT_YET = frozenset({"muadam", "muadamw", "musgd"})
 
 
 def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -77,8 +81,9 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
         params["betas"] = (float(betas[0]), float(betas[1]))
     if kind == "lion":
         return Lion, params
-    if kind in ("onebitadam", "zerooneadam"):
-        return {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam}[kind], onebit_kwargs(params)
+    if kind in ONEBIT_KINDS:
+        return {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLamb}[kind], \
+            onebit_kwargs(params)
     if kind == "lamb":
         return Lamb, params
 
@@ -137,7 +142,7 @@ def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12), SGD a momentum buffer only when
     momentum != 0 (4 or 0), Adagrad the sum of squares (4), Lion its momentum (4), Lamb its two moments (8). torch's scalar `step` is not counted."""
     cls, kwargs = _classify(spec)
-    if cls is ZeroOneAdam:  # m, v and the accumulated local updates; the 1-bit errors come on top
+    if cls in (ZeroOneAdam, OneBitLamb):  # m, v and u / v_fresh; the 1-bit errors come on top
         return 12
     if cls in (Lamb, OneBitAdam):  # the 1-bit errors come on top after freeze_step (error_bytes)
         return 8

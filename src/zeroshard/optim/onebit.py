@@ -37,6 +37,7 @@ class OneBitBase(torch.optim.Optimizer):
     compressed all-reduce per parameter, and the question the stage asks before each step."""
 
     sharded_refusal = ONEBIT_SHARDED
+    one_scale = False  # one 1-bit scale per flat parameter, not per tensor (1-bit Lamb)
 
     def __init__(self, params, defaults: dict) -> None:
         super().__init__(params, defaults)
@@ -58,6 +59,9 @@ class OneBitBase(torch.optim.Optimizer):
     def distributed(self) -> bool:
         return self._comm is not None and self._comm.world_size > 1
 
+    def spans(self, p: torch.Tensor) -> list[tuple[int, int]]:
+        return self._tensors.get(id(p), [(0, p.numel())])
+
     def onebit_mean(self, p: torch.Tensor, value: torch.Tensor) -> None:
         """`value` (shaped as `p`) := its error-compensated 1-bit mean over the ranks."""
         if not self.distributed:
@@ -66,9 +70,9 @@ class OneBitBase(torch.optim.Optimizer):
         if op is None:
             from zeroshard.comm.onebit import OneBitAllReduce
 
-            spans = self._tensors.get(id(p), [(0, p.numel())])
-            op = self._allreduce[id(p)] = OneBitAllReduce(self._comm, p.numel(), spans, p.device,
-                                                          what=f"a {p.numel()}-element parameter")
+            op = self._allreduce[id(p)] = OneBitAllReduce(self._comm, p.numel(), self.spans(p), p.device,
+                                                          what=f"a {p.numel()}-element parameter",
+                                                          one_scale=self.one_scale)
         op(value)
 
     @property

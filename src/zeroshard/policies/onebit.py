@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BACKEND_ONLY", "ONEBIT_ADAM_KEYS", "ONEBIT_KINDS", "ONEBIT_SHARDED", "ZERO_ONE_ADAM_KEYS", "onebit_kwargs",
+__all__ = ["BACKEND_ONLY", "ONEBIT_ADAM_KEYS", "ONEBIT_KINDS", "ONEBIT_LAMB_KEYS", "ONEBIT_SHARDED", "ZERO_ONE_ADAM_KEYS", "onebit_kwargs",
            "onebit_notes"]
 
 ONEBIT_SHARDED = ("the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) are not compatible with ZeRO stages "
@@ -26,6 +26,8 @@ NEVER_READ = frozenset({"max_grad_norm", "bias_correction"})
 _COMMON = frozenset({"lr", "betas", "eps", "eps_inside_sqrt", "weight_decay", "amsgrad"}) | BACKEND_ONLY | NEVER_READ
 ONEBIT_ADAM_KEYS = _COMMON | {"freeze_step"}
 ZERO_ONE_ADAM_KEYS = _COMMON | {"var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"}
+ONEBIT_LAMB_KEYS = _COMMON | {"freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min",
+                              "factor_threshold"}
 
 
 def onebit_kwargs(params: dict[str, Any]) -> dict[str, Any]:
