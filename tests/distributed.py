@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import contextlib
 
-from zeroshard.bench.ranks import free_port, from_wire, rank_entry, run_ranks, to_wire
+import functools
+import os
+
+from zeroshard.bench import ranks
+from zeroshard.bench.ranks import free_port, from_wire, rank_entry, to_wire
+
+# The suite's ranks fork from one forkserver that imported torch and zeroshard once (~0.5 s a
+# rank against several seconds for a spawned interpreter's imports; hundreds of rank starts per
+# run). ZEROSHARD_TEST_RANK_START=spawn gives every rank a fresh interpreter, as the benchmarks do.
+# A rank sees the caller's os.environ of the moment; what a process reads only at its start
+# (glibc's MALLOC_* variables, torch's import-time settings) needs start="spawn".
+run_ranks = functools.partial(ranks.run_ranks, start=os.environ.get("ZEROSHARD_TEST_RANK_START", "forkserver"))
 
 # the names tests that start ranks themselves use (test_dead_ranks)
 _entry, _from_wire, _to_wire = rank_entry, from_wire, to_wire

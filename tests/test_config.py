@@ -319,7 +319,6 @@ _NSY = [
     ({"compile": {"deepcompile": True}}, "compile.deepcompile = true"),
     ({"compile": {"autoep_non_moe": True}}, "compile.autoep_non_moe = true"),
     ({"optimizer": {"type": "MuAdam"}}, 'optimizer.type = "MuAdam"'),
-    ({"optimizer": {"type": "muon"}}, 'optimizer.type = "muon"'),
 ]
 
 

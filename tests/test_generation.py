@@ -112,3 +112,42 @@ def test_hybrid_engine_generate_gathers_once_and_equals_the_unsharded_model():
     for r in run_ranks(_hybrid, 2, timeout=600):
         assert torch.equal(r["tokens"], want)
         assert r["gathers"] == r["units"]  # each unit once for the 6 tokens
+
+
+def _tied_gpt2():
+    """GPT-2 with a vocabulary large enough that the tied head is a unit of its own, read by the
+    embedding module too (the shape of bench/bench_generation.py's models)."""
+    import transformers as hf
+
+    torch.manual_seed(1234)
+    return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=1000, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                            bos_token_id=0, eos_token_id=0)).eval()
+
+
+def _per_forward_tied(rank: int, world: int):
+    import zeroshard
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.0}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # units by size
+    engine = zeroshard.initialize(_tied_gpt2(), cfg)
+    runtime = engine.stage3
+    tied = [u for u in runtime.units if len(runtime._users[u.index]) > 1]  # the head, its embedding a user
+    engine.reset_comm_stats()
+    with torch.no_grad():
+        tokens = engine.module.generate(torch.tensor([[1, 5, 9, 2]]), max_new_tokens=6, min_new_tokens=6,
+                                        do_sample=False)
+    gathers = engine.comm_stats()["all_gather"]["calls"]
+    live = [u.label for u in runtime.units if u.state.value != "released"]
+    engine.close()
+    return {"tokens": tokens, "gathers": gathers, "units": len(runtime.units), "tied": len(tied), "live": live}
+
+
+@pytest.mark.timeout(300)
+def test_per_forward_generate_gathers_a_tied_unit_once_per_token():
+    # GPT-2's head is tied to its embedding: one unit read by two modules in each forward. Outside
+    # the engine's passes it stays gathered to the end of the model's forward, not gathered twice
+    want = _tied_gpt2().generate(torch.tensor([[1, 5, 9, 2]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    for r in run_ranks(_per_forward_tied, 2, timeout=300):
+        assert torch.equal(r["tokens"], want)
+        assert r["tied"] == 1, r
+        assert r["gathers"] == r["units"] * 6, r  # one all-gather per unit per token
+        assert r["live"] == [], r  # nothing left gathered after generate

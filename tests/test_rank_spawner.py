@@ -45,3 +45,19 @@ def _raises_fast(rank: int, world_size: int) -> int:
     if rank == 1:
         raise ValueError("planted failure")
     return rank
+
+
+def _env_of(rank: int, world_size: int, names: list[str]) -> dict:
+    return {n: os.environ.get(n) for n in names}
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_a_rank_sees_the_callers_environment_of_the_moment(monkeypatch, start):
+    """The forkserver started with the first call's environment; a later call's changes (a
+    test's monkeypatch.setenv / delenv) reach its ranks as they reach a spawned one's."""
+    monkeypatch.setenv("ZEROSHARD_PROBE_KEEP", "1")
+    run_ranks(_env_of, 1, ["ZEROSHARD_PROBE_KEEP"], timeout=60, start=start)  # forkserver up
+    monkeypatch.setenv("ZEROSHARD_PROBE_SET", "later")
+    monkeypatch.delenv("ZEROSHARD_PROBE_KEEP")
+    out = run_ranks(_env_of, 2, ["ZEROSHARD_PROBE_SET", "ZEROSHARD_PROBE_KEEP"], timeout=60, start=start)
+    assert out == [{"ZEROSHARD_PROBE_SET": "later", "ZEROSHARD_PROBE_KEEP": None}] * 2

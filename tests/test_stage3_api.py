@@ -79,9 +79,9 @@ def test_init_peak_is_far_below_the_full_model(monkeypatch):
     (200 MB in fp32); under Init by its half of the shards plus one module at a time.
     glibc is told to return every large freed block to the system at once, so resident
     memory measures what is held, not what the allocator kept for reuse."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    plain = run_ranks(_init_memory_worker, WORLD, False, timeout=180)
-    sharded = run_ranks(_init_memory_worker, WORLD, True, timeout=180)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by glibc at start: fresh processes
+    plain = run_ranks(_init_memory_worker, WORLD, False, timeout=180, start="spawn")
+    sharded = run_ranks(_init_memory_worker, WORLD, True, timeout=180, start="spawn")
     full_bytes = plain[0]["params"] * 4
     assert plain[0]["params"] >= 50_000_000
     for r in range(WORLD):

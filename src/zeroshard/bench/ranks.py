@@ -20,6 +20,8 @@ from queue import Empty as queue_empty
 from typing import Any, Callable
 
 FAILED_PEER_GRACE_S = 30.0  # after a rank fails, how long the others may take to report
+# what a forkserver imports once for all the ranks it forks (torch's import is most of a rank's start)
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "zeroshard.api.initialize"]
 
 __all__ = ["free_port", "from_wire", "rank_entry", "run_ranks", "to_wire"]
 
@@ -58,9 +60,14 @@ def from_wire(obj):
     return obj
 
 
-def rank_entry(fn, rank, world_size, port, args, queue, env) -> None:
-    """A spawned rank: torchrun's variables, one torch thread (ZEROSHARD_RANK_THREADS: more, for
-    the tests' second numerics configuration in .ci/run), fn's result or error to `queue`."""
+def rank_entry(fn, rank, world_size, port, args, queue, env, parent_env=None) -> None:
+    """A started rank: the parent's environment as it was at the call (a forkserver child
+    would otherwise have the server's), torchrun's variables, one torch thread
+    (ZEROSHARD_RANK_THREADS: more, for the tests' second numerics configuration in .ci/run),
+    fn's result or error to `queue`."""
+    if parent_env is not None:
+        os.environ.clear()
+        os.environ.update(parent_env)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -79,17 +86,32 @@ def rank_entry(fn, rank, world_size, port, args, queue, env) -> None:
             dist.destroy_process_group()
 
 
+def _context(start: str):
+    """`spawn`: a fresh interpreter per rank (what the benchmarks use: nothing inherited).
+    `forkserver`: ranks forked from one server process that imported torch and zeroshard once,
+    ~0.5 s per rank instead of the seconds a fresh `import torch` takes (the test suite)."""
+    if start not in ("spawn", "forkserver"):
+        raise ValueError(f"run_ranks(start={start!r}): 'spawn' or 'forkserver'")
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 240,
               env: dict[str, str] | None = None, allow_failures: bool = False,
-              grace: float = FAILED_PEER_GRACE_S) -> list[Any]:
+              grace: float = FAILED_PEER_GRACE_S, start: str = "spawn") -> list[Any]:
     """fn(rank, world_size, *args) on each rank; returns the per-rank results in rank order.
 
     With `allow_failures`, a rank's exception text is returned in place of its result (every
-    rank gets `timeout`); without, the others get `grace` seconds after the first failure."""
-    ctx = mp.get_context("spawn")
+    rank gets `timeout`); without, the others get `grace` seconds after the first failure.
+    `start`: how ranks start (`_context`); either way each rank sees the caller's environment
+    of the moment, plus `env`."""
+    ctx = _context(start)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_entry, args=(fn, r, world_size, port, args, queue, env or {}), daemon=True)
+    procs = [ctx.Process(target=rank_entry, args=(fn, r, world_size, port, args, queue, env or {}, dict(os.environ)),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

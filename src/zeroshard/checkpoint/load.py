@@ -148,6 +148,8 @@ def load_optimizer(reader: CheckpointReader, ts) -> None:
         per: dict[str, Any] = {}
         for name, kind in kinds.items():
             field = f"optim.{name}"
+            if kind != JSON and not reader.holds(bucket.slots[0].name, field):
+                continue  # a state of another param group (Muon's halves keep different ones)
             if kind == ELEMENTWISE:
                 t = torch.empty_like(master)
                 _fill(t, bucket, reader, field)

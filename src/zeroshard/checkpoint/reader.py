@@ -87,6 +87,11 @@ class TensorIndex:
     def numel(self, name: str) -> int:
         return math.prod(int(d) for d in self.tensors[self.canonical(name)]["shape"])
 
+    def holds(self, name: str, field: str) -> bool:
+        """Whether `field` ("optim.<state>") was saved for trainable parameter `name`; a reader
+        whose format keeps every state for every parameter says yes, and `read` names a gap."""
+        return True
+
     def __enter__(self):
         return self
 
@@ -134,6 +139,11 @@ class CheckpointReader(TensorIndex):
         return path
 
     # -- reading --------------------------------------------------------------------------------
+    def holds(self, name: str, field: str) -> bool:
+        """Per bucket: an optimizer may keep different states in different param groups (Muon)."""
+        saved = self.where.get(self.canonical(name))
+        return saved is None or field in saved[0].fields
+
     def read(self, name: str, field: str = "value", lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Elements [lo, hi) of `name`'s flattened `field`: "value" (the fp32 master of a
         trainable parameter, else the saved tensor) or "optim.<state>"."""

@@ -103,13 +103,19 @@ def rank_file(ts, table: NameTable) -> RankFile:
             if kinds.setdefault(name, kind) != kind:
                 raise CheckpointError(f"optimizer state {name!r} has a different form in different shards "
                                       f"({kinds[name]} and {kind}); it cannot be checkpointed")
-    fields = ("master",) + tuple(f"optim.{n}" for n, k in kinds.items() if k != JSON)
+    # an optimizer may keep different states in different param groups (Muon: momentum_buffer for
+    # matrices, AdamW's for the rest), never within one: each bucket records the states it has
+    by_group: dict[int, set[str]] = {}
+    for bucket, master in zip(ts.buckets, opt.masters):
+        by_group.setdefault(bucket.layout.group, set()).update(opt.state.get(master, {}))
+    fields = [("master",) + tuple(f"optim.{n}" for n, k in kinds.items()
+                                  if k != JSON and n in by_group[bucket.layout.group]) for bucket in ts.buckets]
     entries: list[Entry] = []
     optim_entries: list[Entry] = []
     shards: list[list[int]] = []
     json_states: dict[str, dict[str, Any]] = {}
     frozen = list(ts.frozen_buckets)  # stage 3 only
-    records = [bucket_record(bucket, fields, b) for b, bucket in enumerate(ts.buckets)]
+    records = [bucket_record(bucket, fields[b], b) for b, bucket in enumerate(ts.buckets)]
     records += [bucket_record(bucket, ("value",), len(ts.buckets) + f) for f, bucket in enumerate(frozen)]
     for b, (bucket, master) in enumerate(zip(ts.buckets, opt.masters)):
         if bucket.shard_index != ts.rank:  # the lowest rank holding a shard writes it
@@ -120,6 +126,8 @@ def rank_file(ts, table: NameTable) -> RankFile:
         entries.append(_lazy_entry(bucket_key(b, "master"), master, lambda b=b: opt.master_value(b)))
         state = opt.state.get(master, {})
         for name, kind in kinds.items():
+            if name not in by_group[bucket.layout.group]:
+                continue  # a state of another param group's kind
             if name not in state:
                 raise CheckpointError(f"optimizer state {name!r} exists for some shards but not for bucket {b}")
             if kind == JSON:

@@ -215,7 +215,7 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any], 
     logger, runtime = config.comms_logger, config.zeroshard
     return Settings(
         batch=batch, precision=precision_policy(config), zero=_with_runtime_stage3(zero_policy(config.zero), runtime),
-        optimizer=OptimizerSpec(type=opt.type.lower(), params=dict(opt.params)) if opt is not None else None,
+        optimizer=_optimizer_spec(config),
         scheduler=SchedulerSpec(type=sched.type, params=dict(sched.params)) if sched is not None else None,
         gradient_clipping=float(config.gradient_clipping or 0.0), steps_per_print=config.steps_per_print,
         gradient_reduce=gradient_reduce_policy(config)[0],
@@ -226,3 +226,22 @@ def build_settings(config: RootConfig, batch: BatchPolicy, raw: dict[str, Any], 
         aio=_same_named(AioPolicy, config.aio) if config.aio is not None else AioPolicy(),
         runtime=runtime_policy(config),
         activations=activation_policy(config), raw=raw, notes=tuple(notes))
+
+
+def _optimizer_spec(config: RootConfig) -> OptimizerSpec | None:
+    """The `optimizer` section, refusing what DeepSpeed 0.19.8 refuses with Muon (stage3.py:
+    "Muon and reduce scatter cannot be used together", and with qgZ's all-to-all group)."""
+    opt, zero = config.optimizer, config.zero
+    if opt is None:
+        return None
+    if opt.type.lower() == "muon" and zero.stage == 3:
+        knob = ("zero_quantized_gradients" if zero.zero_quantized_gradients
+                else "reduce_scatter" if zero.reduce_scatter else None)
+        if knob:
+            raise ConfigError(f"optimizer Muon at ZeRO stage 3 with zero_optimization.{knob} = true: DeepSpeed "
+                              f"refuses this combination too; set zero_optimization.{knob} to false (reduce_scatter "
+                              "defaults to true), or use stage 0-2")
+    if opt.type.lower() == "muon" and zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme":
+        raise NotSupportedYetError("optimizer Muon with offload_optimizer.device nvme is not built by zeroshard yet; "
+                                   'use offload_optimizer.device "cpu" or "none"')
+    return OptimizerSpec(type=opt.type.lower(), params=dict(opt.params))

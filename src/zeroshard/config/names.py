@@ -6,9 +6,10 @@ known but unbuilt one as not supported yet. When one lands, move it to the BUILT
 
 from __future__ import annotations
 
-BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion", "lamb", "onebitadam", "zerooneadam", "onebitlamb")
+BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion", "lamb", "muon", "onebitadam", "zerooneadam",
+                    "onebitlamb")
 UNBUILT_OPTIMIZERS = (
-    "muon", "muadam", "muadamw", "musgd",
+    "muadam", "muadamw", "musgd",
     "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
     "lbfgs", "sparseadam", "adafactor",
 )

@@ -31,6 +31,7 @@ from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.utils.z3_leaf_module import flagged_classes
 from zeroshard.deepspeed.zero import forget_ds_attributes
 from zeroshard.optim.factory import build_optimizer
+from zeroshard.optim.muon_groups import tag_for_muon
 from zeroshard.policies import ConfigError
 
 log = logging.getLogger("zeroshard")
@@ -58,6 +59,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     raw = client_config(raw)  # steps_per_print: inf (Accelerate) means never print
     _add_z3_leaf_classes(raw, model)
 
+    if str((raw.get("optimizer") or {}).get("type", "")).lower() == "muon":
+        tag_for_muon(model)  # deepspeed.set_optimizer_flags: every parameter of the model, overwriting
     opt_arg = optimizer
     params = _as_list(model_parameters)
     if optimizer is None and "optimizer" in raw and params is not None and not _is_all_trainable(params, model):

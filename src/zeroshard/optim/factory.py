@@ -23,6 +23,8 @@ import torch
 
 from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
+from zeroshard.optim.muon import Muon
+from zeroshard.optim.muon_groups import MUON_KEYS, build_muon
 from zeroshard.optim.onebit import OneBitAdam
 from zeroshard.optim.onebit_lamb import OneBitLamb
 from zeroshard.optim.zeroone import ZeroOneAdam
@@ -45,6 +47,7 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
     "lion": frozenset({"lr", "betas", "weight_decay"}),
     "lamb": frozenset({"lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_coeff",
                        "min_coeff", "amsgrad"}),
+    "muon": MUON_KEYS,
     "onebitadam": ONEBIT_ADAM_KEYS,
     "zerooneadam": ZERO_ONE_ADAM_KEYS,
     "onebitlamb": ONEBIT_LAMB_KEYS,
@@ -70,6 +73,8 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
     if unknown:
         raise ConfigError(f"optimizer {spec.type!r}: unknown parameter(s) {unknown}; "
                           f"valid keys: {sorted(_VALID_KEYS[kind])}")
+    if kind == "muon":  # param groups split by use_muon: optim/muon_groups.py
+        return Muon, params
     if kind == "sgd":
         return torch.optim.SGD, params
     if kind == "adagrad":
@@ -115,6 +120,8 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.Tensor] | Iterab
     """A torch optimizer over `params` (tensors or param-group dicts) as `spec` describes;
     ConfigError naming the optimizer and the key for anything invalid."""
     cls, kwargs = _classify(spec)
+    if cls is Muon:
+        return build_muon(params, kwargs)
     try:
         torch.zeros(1, device=device_type)
     except (RuntimeError, AssertionError) as e:
@@ -145,6 +152,8 @@ def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     if cls in (ZeroOneAdam, OneBitLamb):  # m, v and u / v_fresh; the 1-bit errors come on top
         return 12
     if cls in (Lamb, OneBitAdam):  # the 1-bit errors come on top after freeze_step (error_bytes)
+        return 8
+    if cls is Muon:  # 4 (momentum) for matrices, 8 (AdamW) for the rest; the upper bound
         return 8
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return 12 if kwargs.get("amsgrad") else 8

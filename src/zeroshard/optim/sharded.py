@@ -39,10 +39,11 @@ Builder = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 class ShardedOptimizer:
     def __init__(self, buckets: list[FlatBucket], masters: list[torch.Tensor | None], build: Builder,
                  group_options: list[dict[str, Any]], memory: MemoryLedger, sub_group_size: int,
-                 tiers: list[Tier] | None = None, swap_buffers: int = 3) -> None:
+                 tiers: list[Tier] | None = None, swap_buffers: int = 3, comm: Any = None) -> None:
         """`masters[b]` is the fp32 value of bucket b's shard, taken before any cast to 16 bits,
         or None when the shard is fp32 already: then the shard itself is the master, unless
-        bucket b's tier (`tiers[b]`, the device by default) is other memory than the shard's."""
+        bucket b's tier (`tiers[b]`, the device by default) is other memory than the shard's.
+        `comm` gathers the buckets of an optimizer that needs whole matrices (Muon), if any."""
         self.buckets, self.memory = buckets, memory
         self.tiers = tiers or [DeviceTier(b.shard().device) for b in buckets]
         self.masters = []
@@ -63,7 +64,7 @@ class ShardedOptimizer:
             for g, options in enumerate(group_options)
         ]
         self.optimizer = build(groups)
-        _tell_tensors(self.optimizer, self.masters, buckets)
+        _tell_tensors(self.optimizer, self.masters, buckets, comm)
         self._sub_groups = sub_groups([m.numel() for m in self.masters], sub_group_size)
         self._sub_group_of = {b: k for k, indices in enumerate(self._sub_groups) for b in indices}
         self._final: dict[int, set[int]] = {}  # sub-group -> its buckets whose gradients are final
@@ -116,8 +117,9 @@ class ShardedOptimizer:
     @property
     def can_step_early(self) -> bool:
         """Whether sub-groups may step one by one as their gradients become final (during
-        backward): the NVMe pipeline reads ahead along the order they stepped in last step."""
-        return self.store.can_step_early
+        backward): the NVMe pipeline reads ahead along the order they stepped in last step, and
+        an optimizer whose step gathers (Muon) needs every rank to step in the same order."""
+        return self.store.can_step_early and not getattr(self.optimizer, "steps_collectively", False)
 
     def forget_early(self) -> None:
         """A new accumulation boundary: no sub-group has stepped early yet."""
@@ -323,9 +325,21 @@ class _GradStaging:
         return buf
 
 
-def _tell_tensors(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
-    """An optimizer whose update needs whole tensors (Lamb's trust ratio: optim/lamb.py) learns
-    where each parameter lies in each master; only a whole bucket (stage 0) holds them whole."""
+def _tell_tensors(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], buckets: list[FlatBucket],
+                  comm: Any = None) -> None:
+    """An optimizer whose update needs whole tensors learns where each parameter lies in each
+    master: Lamb's trust ratio (optim/lamb.py) only where a whole bucket is on the rank (stage 0);
+    Muon's Newton-Schulz (optim/muon.py) at every stage, with a way to gather a sharded bucket."""
+    place = getattr(optimizer, "place_matrices", None)
+    if place is not None:
+        for master, bucket in zip(masters, buckets):
+            lo, hi = bucket.shard_range
+            sharded = bucket.layout.shard_count > 1
+            if sharded and comm is None:
+                raise ConfigError("a sharded Muon step needs the engine's comm: this is a zeroshard bug, please "
+                                  "report it")
+            place(master, [(slot.offset, slot.shape) for slot in bucket.layout.slots], (lo, hi),
+                  _gatherer(comm, bucket) if sharded else None)
     split = getattr(optimizer, "split_into_tensors", None)
     if split is None:
         return
@@ -333,3 +347,13 @@ def _tell_tensors(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
         raise ConfigError(getattr(optimizer, "sharded_refusal", LAMB_SHARDED))
     for master, bucket in zip(masters, buckets):
         split(master, [(slot.offset, slot.numel) for slot in bucket.layout.slots])
+
+
+def _gatherer(comm: Any, bucket: FlatBucket) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This rank's shard of values -> the whole padded bucket's, all-gathered on the bucket's
+    device (the collective's) and handed back where the shard was (a host master)."""
+    def gather(shard: torch.Tensor) -> torch.Tensor:
+        whole = torch.empty(bucket.layout.padded_numel, dtype=shard.dtype, device=bucket.device)
+        comm.all_gather(whole, shard.to(bucket.device), what=f"Muon update of {bucket.label}").wait()
+        return whole.to(shard.device)
+    return gather

@@ -8,6 +8,7 @@ class is then rebuilt over the fp32 master shards, one bucket set per group.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -82,6 +83,9 @@ def plan_optimizer(arg: OptimizerArg, spec: OptimizerSpec | None, params: list[n
         if spec is None:
             raise ConfigError("no optimizer: add an 'optimizer' section to the config (e.g. "
                               '{"type": "AdamW", "params": {"lr": 1e-4}}) or pass optimizer= to initialize().')
+        if spec.type.lower() == "muon":  # its groups come from the parameters' use_muon tags
+            muon = plan_optimizer(build_optimizer(spec, params, device.type), None, params, device)
+            return dataclasses.replace(muon, description=f"config {spec.type}")
         return OptimizerPlan({id(p): 0 for p in params}, [{}],
                              lambda groups: build_optimizer(spec, groups, device.type), f"config {spec.type}")
     template = arg if isinstance(arg, torch.optim.Optimizer) else arg(params)

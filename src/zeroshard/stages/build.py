@@ -18,6 +18,7 @@ from torch import nn
 from zeroshard.comm import Comm, QuantizedHierarchicalReduceScatter
 from zeroshard.config.model_defaults import choose_for_model
 from zeroshard.offload import Tier, host_step_threads, optimizer_offload_tier, optimizer_tiers
+from zeroshard.optim.muon_groups import tag_for_muon
 from zeroshard.optim.sharded import ShardedOptimizer
 from zeroshard.optim.template import OptimizerArg, OptimizerPlan, plan_optimizer
 from zeroshard.partition import FlatBucket, MemoryLedger
@@ -83,6 +84,8 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     # bucket sizes the config left out are chosen for this model (and printed)
     settings = choose_for_model(settings, sum(p.numel() for p in parts.trainable))
     zero, dtype = settings.zero, settings.precision.compute.dtype
+    if optimizer is None and settings.optimizer is not None and settings.optimizer.type == "muon":
+        tag_for_muon(module, overwrite=False)  # DeepSpeed's rule where the user set no use_muon
     plan = plan_optimizer(optimizer, settings.optimizer, parts.trainable, topology.device)
     offload = optimizer_offload_tier(zero.offload_optimizer, topology.device, settings.aio, topology.rank)
     writer = _early_masters(offload, settings, plan, topology.local_world_size)
@@ -121,7 +124,7 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     nvme_lines = [line for t in param_tiers for line in getattr(t, "startup_lines", [])]
     nvme_lines += _prepare_nvme(tiers, sizes, writer, settings, plan, topology.local_world_size)
     sharded_optimizer = ShardedOptimizer(buckets, masters, plan.build, plan.group_options, memory, sub_group, tiers,
-                                         zero.offload_optimizer.buffer_count)
+                                         zero.offload_optimizer.buffer_count, comm=comm)
     hand_over_reduction(sharded_optimizer.optimizer, grads, comm)
     step_early, step_mode = step_during_backward(settings, sharded_optimizer.can_step_early)
     host_in_use = topology.device.type == "cpu" or on_host or zero.offload_param.device is not OffloadDevice.NONE
@@ -212,7 +215,7 @@ def step_during_backward(settings: Settings, optimizer_can: bool) -> tuple[bool,
     # write them: offload/read_ahead.py waits a read before a write of the same shard and serves
     # reads of a shard being written from the buffer that holds its new values
     if not optimizer_can:
-        forbid.append("the optimizer's state store steps its sub-groups in order after backward")
+        forbid.append("the optimizer steps its sub-groups in order after backward (NVMe swaps, or Muon's gathers)")
     if asked is False:
         return False, "after backward (zeroshard.step_during_backward = false)"
     if forbid:

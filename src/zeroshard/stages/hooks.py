@@ -97,3 +97,15 @@ class _InputsGradDone(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.fn()
         return (None, *grads)
+
+
+def tensors_in(obj):
+    """The tensors in a module's output (nested lists, tuples and dicts)."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)

@@ -6,8 +6,8 @@ its active users (stages/unit_state.py, which also keeps each parameter's `ds_st
 hooks go through `stages/hooks.py`, kept per unit so that they can be detached and attached
 again (DeepSpeed clients do around generation); each bucket owns its full buffer
 (`UnitBucket.start_gather` / `finish_gather` / `release`). Outside the engine's passes (its
-modules called directly, e.g. by `generate`) a unit is gathered around each forward and
-nothing is recorded.
+modules called directly, e.g. by `generate`) a unit is gathered around each forward (a unit of
+several modules, e.g. a tied embedding and head, to the end of the outermost one), unrecorded.
 
 - forward: a unit's pre-forward hook gathers it (waiting for a prefetch if one is in
   flight) and prefetches the next units of the recorded order; its post-forward hook
@@ -20,10 +20,9 @@ nothing is recorded.
 - order: the first step records the sequence of gathers; later steps prefetch along it.
   A step whose sequence differs (control flow changed) stops prefetching for the rest
   of the step, and its sequence becomes the new record. Every rank does the same.
-- ZeRO++ (`Stage3Collectives`): the forward gather may be qwZ (int8); with hpZ each bucket
-  keeps, from its first gather of a pass, the slice of the full parameters its rank holds in
-  its hpZ group (the secondary partition, inside the node), and backward gathers from those
-  secondaries within the group; they are dropped when the pass ends (never stale after a step).
+- ZeRO++ (`Stage3Collectives`): the forward gather may be qwZ (int8); with hpZ each bucket keeps,
+  from its first gather of a pass, its rank's slice of the full parameters in its hpZ group (the
+  secondary partition, in the node), and backward gathers from those; dropped when the pass ends.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import torch
 from torch import nn
 
 from zeroshard.policies import Stage3Policy
-from zeroshard.stages.hooks import Handle, Hooks, after_inputs_grad, when_grad_reaches
+from zeroshard.stages.hooks import Handle, Hooks, after_inputs_grad, tensors_in, when_grad_reaches
 from zeroshard.stages.unit_state import Unit, UnitState
 from zeroshard.stages.outside_reads import OutsideReads
 
@@ -92,6 +91,7 @@ class Stage3Runtime:
         self._external = {(id(m), u.index) for u in units for m in external_users.get(u.index, [])}
         self._reads = OutsideReads(self)
         self.keep = None  # a KeepGathered while engine.generation() runs (stages/generation.py)
+        self._deferred: set[int] = set()  # units kept to the end of the outermost forward
 
     # -- phases, driven by the engine -------------------------------------------------
     def begin_forward(self) -> None:
@@ -121,6 +121,7 @@ class Stage3Runtime:
 
     def _finish_pass(self, record: bool) -> None:
         self._pinned.clear()
+        self._deferred.clear()
         for unit in self.units:
             unit.users = 0
             unit.active.clear()
@@ -154,16 +155,14 @@ class Stage3Runtime:
                     self._register(module, unit)
 
     def detach_hooks(self, units: list[Unit] | None = None, backward_only: bool = False) -> None:
-        """Detach the hooks of `units`: with `backward_only`, only what makes a forward prepare
-        the unit's backward (its regathering and release); else its module hooks too, so that a
-        forward of its modules gathers nothing."""
+        """Detach the hooks of `units`: with `backward_only`, only what prepares their backward
+        (regathering, release); else their module hooks too (a forward gathers nothing)."""
         for unit in self.units if units is None else units:
             self._backward_off.add(unit.index)
             if not backward_only:
                 self._hooks[unit.index].remove()
 
-    def hook_handle(self, unit: Unit, backward: bool = False) -> Handle:
-        """A handle whose `remove()` detaches the unit's forward (or only its backward) hooks."""
+    def hook_handle(self, unit: Unit, backward: bool = False) -> Handle:  # remove(): detach_hooks
         return Handle(lambda: self.detach_hooks([unit], backward_only=backward))
 
     def remove_hooks(self) -> None:
@@ -176,12 +175,10 @@ class Stage3Runtime:
             raise RuntimeError(f"stage 3: units cannot be released during the {self.phase.value} pass")
         self._finish_pass(record=False)
 
-    def trace_invalid(self) -> bool:
-        """No recorded gather order to prefetch along (the next step records one)."""
+    def trace_invalid(self) -> bool:  # no recorded order to prefetch along (the next step records one)
         return not self._trace
 
-    def invalidate_trace(self) -> None:
-        """Forget the recorded order (and what is being recorded, between passes)."""
+    def invalidate_trace(self) -> None:  # forget the recorded order (and, between passes, the recording)
         self._trace, self._on_trace = [], False
         if self.phase is Phase.IDLE and not self._backward_pending:
             self._recording = []
@@ -361,7 +358,7 @@ class Stage3Runtime:
         unit.users -= 1
         unit.active.discard(id(module))
         if torch.is_grad_enabled() and unit.index not in self._backward_off:
-            tensors = [t for t in _tensors(output) if t.requires_grad]
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
             if tensors:
                 when_grad_reaches(tensors, lambda: self._pre_backward(unit))
         if self.phase is Phase.BACKWARD:  # recompute for activation checkpointing: keep it
@@ -369,8 +366,23 @@ class Stage3Runtime:
         if self.keep is not None and unit.users == 0 and self.keep.used(unit):  # generation: kept
             return output
         if unit.users == 0 and not self._reused_soon(unit):
-            self._release(unit)
+            if self._read_again_in_this_forward(unit):
+                self._deferred.add(unit.index)
+            else:
+                self._release(unit)
+        if not self._active and self._deferred:  # the outermost forward is over
+            for index in sorted(self._deferred):
+                if self.units[index].users == 0:
+                    self._release(self.units[index])
+            self._deferred.clear()
         return output
+
+    def _read_again_in_this_forward(self, unit: Unit) -> bool:
+        """Outside training passes, a unit of several modules stays gathered to the end of the
+        outermost forward; `_make_room` still releases it if max_live_parameters needs."""
+        if self.phase is not Phase.IDLE and torch.is_grad_enabled():
+            return False  # a training pass: the recorded order decides (_reused_soon)
+        return bool(self._active) and len(self._users[unit.index]) > 1
 
     def _pre_backward(self, unit: Unit) -> None:
         if self.phase is Phase.BACKWARD:
@@ -386,13 +398,3 @@ class Stage3Runtime:
             if self._on_trace:
                 self._prefetch(len(self._recording))
 
-
-def _tensors(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)

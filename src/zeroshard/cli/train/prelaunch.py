@@ -34,8 +34,10 @@ def _check_optimizer(settings) -> str | None:
 
     from zeroshard.optim.factory import build_optimizer
 
+    probe = torch.zeros(1, requires_grad=True)
+    probe.use_muon = False  # Muon needs every parameter tagged (optim/muon_groups.py); others ignore it
     try:
-        build_optimizer(settings.optimizer, [torch.zeros(1, requires_grad=True)])
+        build_optimizer(settings.optimizer, [probe])
     except ZeroShardError as exc:
         return str(exc)
     return None

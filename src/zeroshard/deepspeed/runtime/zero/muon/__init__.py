@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.zero.muon`: DeepSpeed's Muon classes over zeroshard's Muon (optim/muon.py)."""
