@@ -254,6 +254,31 @@ MUTANTS: list[Mutant] = [
            "zeroshard estimate/plan exit 1, not 2, on bad input (replaces an equivalent mutant: narrowing the "
            "except to ZeroShardError changes nothing, ConfigError is a ValueError and no input raises a plain one)",
            ("tests/test_cli_estimate.py",)),
+    # ---------------------------------------------------------------- the 1-bit optimizers (issue 42)
+    Mutant("onebit-no-error-feedback", "comm (1-bit)", C + "onebit.py",
+           "        x = torch.cat([flat, flat.new_zeros(1)])[self.src].add_(self.worker_error)",
+           "        self.reset_errors()\n        x = torch.cat([flat, flat.new_zeros(1)])[self.src].add_(self.worker_error)",
+           "the 1-bit all-reduce drops its worker and server error feedback", ("tests/test_onebit.py",)),
+    Mutant("onebit-full-allreduce-after-freeze", "optim (1-bit)", O + "onebit.py",
+           "        return self.steps_done < self.freeze_step",
+           "        return True",
+           "OneBitAdam keeps stage 0's full gradient all-reduce after freeze_step", ("tests/test_onebit.py",)),
+    Mutant("onebit-any-stage", "config (1-bit)", G + "support.py",
+           "    if config.stage != 0:",
+           "    if False:",
+           "the 1-bit optimizers load at ZeRO stages 1-3, which DeepSpeed refuses", ("tests/test_onebit.py",)),
+    Mutant("zeroone-sync-keeps-local-steps", "optim (1-bit)", O + "zeroone.py",
+           "            p.sub_(u)\n",
+           "            pass\n",
+           "0/1 Adam's synchronisation does not undo the ranks' local steps", ("tests/test_onebit.py",)),
+    Mutant("onebit-lamb-scale-per-tensor", "optim (1-bit)", O + "onebit_lamb.py",
+           "    one_scale = True",
+           "    one_scale = False",
+           "1-bit Lamb exchanges with a scale per tensor, not one over its flat momentum", ("tests/test_onebit.py",)),
+    Mutant("onebit-lamb-no-factor", "optim (1-bit)", O + "onebit_lamb.py",
+           '            state["last_factor"][k] = factor\n',
+           '            state["last_factor"][k] = factor\n            factor = 1.0\n',
+           "1-bit Lamb's frozen trust ratio is not corrected by the fresh variance", ("tests/test_onebit.py",)),
 ]
 
 SHADOW_PROBE = '''\

@@ -318,7 +318,7 @@ _NSY = [
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile = true"),
     ({"compile": {"autoep_non_moe": True}}, "compile.autoep_non_moe = true"),
-    ({"optimizer": {"type": "OneBitAdam"}}, 'optimizer.type = "OneBitAdam"'),
+    ({"optimizer": {"type": "MuAdam"}}, 'optimizer.type = "MuAdam"'),
 ]
 
 

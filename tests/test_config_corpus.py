@@ -30,7 +30,6 @@ with open(os.path.join(FIX, "deepspeed_verdicts.json")) as f:
 # DeepSpeed accepts these; zeroshard refuses them in one line naming the feature it has not built.
 UNBUILT = {
     "dsexamples__bf16_master_weight_bf16_full.json": "bf16.bf16_master_weights_and_grads",
-    "dsexamples__bing_bert_onebitadam_nccl.json": 'optimizer.type = "OneBitAdam"',
     "dsexamples__data_efficiency_random_ltd.json": "random_ltd.enabled = true",
     "dsexamples__tensor_parallel_hf_ds_config.json": "tensor_parallel.autotp_size = 4",
     "llamafactory__ds_z2_autotp_config.json": "tensor_parallel.autotp_size = 2",

@@ -244,6 +244,8 @@ class Engine(EngineSurface):
             return None
         shards = [self.grads.grad_shard(b) for b in range(len(self.buckets))]
         known = self._early_squares if self._stepping_early else None
+        if self.grads.local:  # each rank's own gradient (a 1-bit optimizer's step): the ranks' RMS norm
+            return global_grad_norm(shards, self.comm, True) / math.sqrt(self.comm.world_size)
         return global_grad_norm(shards, self.comm, self.grads.partitioned, known)
 
     def compile(self, backend=None, compile_kwargs: dict | None = None) -> None:

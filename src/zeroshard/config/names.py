@@ -6,10 +6,11 @@ known but unbuilt one as not supported yet. When one lands, move it to the BUILT
 
 from __future__ import annotations
 
-BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion", "lamb", "muon")
+BUILT_OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad", "lion", "lamb", "muon", "onebitadam", "zerooneadam",
+                    "onebitlamb")
 UNBUILT_OPTIMIZERS = (
-    "muadam", "muadamw", "musgd", "onebitadam", "zerooneadam",
-    "onebitlamb", "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
+    "muadam", "muadamw", "musgd",
+    "rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop",
     "lbfgs", "sparseadam", "adafactor",
 )
 KNOWN_OPTIMIZERS = BUILT_OPTIMIZERS + UNBUILT_OPTIMIZERS  # compared lower-cased, as DeepSpeed does

@@ -28,7 +28,9 @@ from zeroshard.config.fields import shown
 from zeroshard.config.foreign import inert_notes, refusals
 from zeroshard.config.names import BUILT_OPTIMIZERS, BUILT_SCHEDULERS
 from zeroshard.config.schema import RootConfig
-from zeroshard.policies import MONITOR_LIBRARIES, ConfigError, NotSupportedYetError
+from zeroshard.policies import (
+    MONITOR_LIBRARIES, ONEBIT_KINDS, ONEBIT_SHARDED, ConfigError, NotSupportedYetError, onebit_notes,
+)
 
 ALL_STAGES = frozenset({0, 1, 2, 3})
 ZERO_STAGES = frozenset({1, 2, 3})
@@ -163,6 +165,18 @@ def _zeropp_in_use(c: RootConfig) -> list[str]:
     return [_Z + text for hit, text in on if hit]
 
 
+def _onebit(config: RootConfig) -> list[str]:
+    """The 1-bit family (optim/onebit.py) at stage 0 only, as DeepSpeed ("1bit-Adam is not compatible
+    with ZeRO"); the notes for its keys that have no effect here."""
+    kind = config.optimizer.type.lower() if config.optimizer is not None else ""
+    if kind not in ONEBIT_KINDS:
+        return []
+    if config.stage != 0:
+        raise ConfigError(f"optimizer {config.optimizer.type} at zero_optimization.stage {config.stage}: "
+                          + ONEBIT_SHARDED)
+    return onebit_notes(config.optimizer.type, dict(config.optimizer.params))
+
+
 def check_support(config: RootConfig) -> list[str]:
     """Raise NotSupportedYetError for every unbuilt feature in use; return "ignored at stage" notes."""
     stage = config.stage
@@ -180,6 +194,7 @@ def check_support(config: RootConfig) -> list[str]:
     errors += refusals(config, version())
     if errors:
         raise NotSupportedYetError("\n".join(errors))
+    notes = _onebit(config)
     check_monitor_libraries(config)
     zeropp = _zeropp_in_use(config)
     if zeropp and stage != 3:
@@ -196,8 +211,8 @@ def check_support(config: RootConfig) -> list[str]:
         ignored += [_Z + key for key in STAGE3_ONLY_KEYS + (ZERO_ONLY_KEYS if stage == 0 else ())
                     if key in set_keys and _Z + key not in already]
     if not ignored:
-        return []
-    return [f"ignored at stage {stage}: " + ", ".join(ignored)
+        return notes
+    return notes + [f"ignored at stage {stage}: " + ", ".join(ignored)
             + " (they take effect only at a higher stage; DeepSpeed ignores them too)"]
 
 

@@ -25,7 +25,13 @@ from zeroshard.optim.lamb import Lamb
 from zeroshard.optim.lion import Lion
 from zeroshard.optim.muon import Muon
 from zeroshard.optim.muon_groups import MUON_KEYS, build_muon
+from zeroshard.optim.onebit import OneBitAdam
+from zeroshard.optim.onebit_lamb import OneBitLamb
+from zeroshard.optim.zeroone import ZeroOneAdam
 from zeroshard.policies import ConfigError, NotSupportedYetError, OptimizerSpec
+from zeroshard.policies.onebit import (
+    ONEBIT_ADAM_KEYS, ONEBIT_KINDS, ONEBIT_LAMB_KEYS, ZERO_ONE_ADAM_KEYS, onebit_kwargs,
+)
 
 __all__ = ["build_optimizer", "optimizer_kernel", "optimizer_state_bytes_per_param"]
 
@@ -42,10 +48,13 @@ _VALID_KEYS: dict[str, frozenset[str]] = {
     "lamb": frozenset({"lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_coeff",
                        "min_coeff", "amsgrad"}),
     "muon": MUON_KEYS,
+    "onebitadam": ONEBIT_ADAM_KEYS,
+    "zerooneadam": ZERO_ONE_ADAM_KEYS,
+    "onebitlamb": ONEBIT_LAMB_KEYS,
 }
 
 # DeepSpeed optimizers with no torch equivalent yet: a clear "not yet", not "unknown".
-_DEEPSPEED_NOT_YET = frozenset({"onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd"})
+_DEEPSPEED_NOT_YET = frozenset({"muadam", "muadamw", "musgd"})
 
 
 def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -57,7 +66,7 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
     if kind not in _VALID_KEYS:
         raise ConfigError(f"unknown optimizer type {spec.type!r}; valid types: {sorted(_VALID_KEYS)}")
     params = dict(spec.params)
-    if "max_grad_norm" in params:
+    if "max_grad_norm" in params and kind not in ONEBIT_KINDS:
         raise ConfigError(f"optimizer {spec.type!r}: 'max_grad_norm' is not an optimizer parameter; "
                           "set the top-level 'gradient_clipping' instead")
     unknown = sorted(set(params) - _VALID_KEYS[kind])
@@ -77,6 +86,9 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
         params["betas"] = (float(betas[0]), float(betas[1]))
     if kind == "lion":
         return Lion, params
+    if kind in ONEBIT_KINDS:
+        return {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLamb}[kind], \
+            onebit_kwargs(params)
     if kind == "lamb":
         return Lamb, params
 
@@ -137,7 +149,11 @@ def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     and exp_avg_sq (8; amsgrad adds max_exp_avg_sq, 12), SGD a momentum buffer only when
     momentum != 0 (4 or 0), Adagrad the sum of squares (4), Lion its momentum (4), Lamb its two moments (8). torch's scalar `step` is not counted."""
     cls, kwargs = _classify(spec)
-    if cls in (Lamb, Muon):  # Muon: 4 (momentum) for matrices, 8 (AdamW) for the rest; the upper bound
+    if cls in (ZeroOneAdam, OneBitLamb):  # m, v and u / v_fresh; the 1-bit errors come on top
+        return 12
+    if cls in (Lamb, OneBitAdam):  # the 1-bit errors come on top after freeze_step (error_bytes)
+        return 8
+    if cls is Muon:  # 4 (momentum) for matrices, 8 (AdamW) for the rest; the upper bound
         return 8
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return 12 if kwargs.get("amsgrad") else 8

@@ -211,6 +211,8 @@ class ShardedOptimizer:
                 master_bytes[tier.name] += m.nbytes
             states = self.optimizer.state.get(m, {}).values()  # per-element ones: not the scalar step counters
             state_bytes[tier.name] += sum(t.nbytes for t in states if torch.is_tensor(t) and t.dim() > 0)
+        if self.tiers:  # a 1-bit optimizer's worker and server errors (optim/onebit.py), beside its states
+            state_bytes[self.tiers[0].name] += getattr(self.optimizer, "error_bytes", 0)
         for name in {t.name for t in self.tiers}:
             self.memory.hold("optimizer_states", f"master.{name}", master_bytes[name], tier=name)
             self.memory.hold("optimizer_states", f"states.{name}", state_bytes[name], tier=name)
@@ -342,7 +344,7 @@ def _tell_tensors(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
     if split is None:
         return
     if any(b.layout.shard_count > 1 for b in buckets):
-        raise ConfigError(LAMB_SHARDED)
+        raise ConfigError(getattr(optimizer, "sharded_refusal", LAMB_SHARDED))
     for master, bucket in zip(masters, buckets):
         split(master, [(slot.offset, slot.numel) for slot in bucket.layout.slots])
 

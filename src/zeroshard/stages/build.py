@@ -125,6 +125,7 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     nvme_lines += _prepare_nvme(tiers, sizes, writer, settings, plan, topology.local_world_size)
     sharded_optimizer = ShardedOptimizer(buckets, masters, plan.build, plan.group_options, memory, sub_group, tiers,
                                          zero.offload_optimizer.buffer_count, comm=comm)
+    hand_over_reduction(sharded_optimizer.optimizer, grads, comm)
     step_early, step_mode = step_during_backward(settings, sharded_optimizer.can_step_early)
     host_in_use = topology.device.type == "cpu" or on_host or zero.offload_param.device is not OffloadDevice.NONE
     return Assembled(settings, parts, plan, buckets, frozen, grads, params, sharded_optimizer, units, unit_rule,
@@ -182,6 +183,17 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
                                     use_all_reduce=not zero.reduce_scatter and reducer is None, reducer=reducer,
                                     pool=pool, max_in_flight=MAX_IN_FLIGHT, accum_dtype=accum, **common)
     raise NotSupportedYetError(f"zero_optimization.stage = {int(zero.stage)}: not supported")
+
+
+def hand_over_reduction(optimizer, grads, comm: Comm) -> None:
+    """An optimizer that exchanges values itself (the 1-bit family: `reduces_gradients`) gets the
+    world group and decides, step by step, whether stage 0 all-reduces the gradients."""
+    if not hasattr(optimizer, "reduces_gradients"):
+        return
+    if not isinstance(grads, AllReducedGradients):
+        raise ConfigError(optimizer.sharded_refusal)
+    optimizer.connect(comm)
+    grads.hand_reduction_to(optimizer)
 
 
 def step_during_backward(settings: Settings, optimizer_can: bool) -> tuple[bool, str]:

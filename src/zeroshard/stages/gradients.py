@@ -62,6 +62,7 @@ class BucketedGradients:
     """Base strategy. `shard_count` is how many ways the optimizer state is split."""
 
     partitioned = True  # grad shards differ per rank: the norm needs an all-reduce
+    local = False  # this step's gradients were not reduced: each rank holds its own (AllReducedGradients)
     publishes_params = True  # params must be all-gathered after the optimizer step
     reduces_every_micro_step = False  # else only at the accumulation boundary
 
@@ -231,10 +232,18 @@ class _PersistentGradients(BucketedGradients):
 
 
 class AllReducedGradients(_PersistentGradients):
-    """Stage 0: plain data parallelism, bucketed all-reduce."""
+    """Stage 0: plain data parallelism, bucketed all-reduce. An optimizer that reduces by itself in
+    some steps (optim/onebit.py) is asked before each backward (`hand_reduction_to`); when it says no,
+    nothing is reduced, `local` is true and `grad_shard(b)` is this rank's own gradient."""
 
-    partitioned = False
-    publishes_params = False
+    partitioned, publishes_params, owner = False, False, None
+
+    def hand_reduction_to(self, owner) -> None:
+        self.owner = owner
+
+    def begin_backward(self, boundary: bool, first_micro: bool, *early) -> None:
+        self.local = self.owner is not None and not self.owner.reduces_gradients()
+        super().begin_backward(boundary and not self.local, first_micro, *early)  # local: as between boundaries
 
     def _collective(self, b, wire, average):
         handle = self.comm.all_reduce(wire, what=f"gradients of {self.buckets[b].label}")

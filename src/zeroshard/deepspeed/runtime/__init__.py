@@ -1,4 +1,5 @@
-"""`deepspeed.runtime`: the parts scripts and libraries import (engine, lr_schedules, utils, zero)."""
+"""`deepspeed.runtime`: the parts scripts and libraries import (engine, lr_schedules, utils, zero;
+fp16.onebit's 1-bit optimizers)."""
 
 from zeroshard.deepspeed.runtime import engine, lr_schedules, utils, zero
 
