@@ -37,6 +37,7 @@ from torch import nn
 
 from zeroshard.policies import Stage3Policy
 from zeroshard.stages.hooks import Handle, Hooks, after_inputs_grad, tensors_in, when_grad_reaches
+from zeroshard.stages.nesting import ForwardNesting
 from zeroshard.stages.unit_state import Unit, UnitState
 from zeroshard.stages.outside_reads import OutsideReads
 
@@ -86,12 +87,11 @@ class Stage3Runtime:
         self._backward_off: set[int] = set()  # units whose backward hooks are detached
         self.attach_hooks()
         self._unit_of_param = {id(p): u for u in units for b in u.buckets for p in b.params}
-        self._active: list[nn.Module] = []  # modules in forward, innermost last
+        self._nesting = ForwardNesting()
         self._pinned: set[int] = set()  # units adopted by an outside read: kept until the pass ends
         self._external = {(id(m), u.index) for u in units for m in external_users.get(u.index, [])}
         self._reads = OutsideReads(self)
         self.keep = None  # a KeepGathered while engine.generation() runs (stages/generation.py)
-        self._deferred: set[int] = set()  # units kept to the end of the outermost forward
 
     # -- phases, driven by the engine -------------------------------------------------
     def begin_forward(self) -> None:
@@ -121,7 +121,7 @@ class Stage3Runtime:
 
     def _finish_pass(self, record: bool) -> None:
         self._pinned.clear()
-        self._deferred.clear()
+        self._nesting.deferred.clear()
         for unit in self.units:
             unit.users = 0
             unit.active.clear()
@@ -281,7 +281,7 @@ class Stage3Runtime:
                                    lambda m, out: self._post_forward(m, unit, out))
 
     def _pre_forward(self, module: nn.Module, unit: Unit, args, kwargs):
-        self._active.append(module)
+        self._nesting.enter(module)
         unit.users += 1
         unit.active.add(id(module))
         self._use(unit)
@@ -306,7 +306,7 @@ class Stage3Runtime:
         active module: gather the unit now (every rank reaches the same read), keep it for the
         rest of this pass, and from now on gather it around that module's forward too."""
         unit = self._unit_of_param[id(param)]
-        reader = self._active[-1] if self._active else None
+        reader = self._nesting.innermost()
         self.pin(unit)
         if reader is not None and (id(reader), unit.index) not in self._external:
             self._external.add((id(reader), unit.index))
@@ -314,7 +314,7 @@ class Stage3Runtime:
             self._register(reader, unit)
             unit.users += 1  # the post-forward hook just registered will run for this call
             unit.active.add(id(reader))
-            self._active.append(reader)  # ... and pop this entry
+            self._nesting.enter(reader)  # ... and pop this entry
             log.info("stage 3: unit '%s' is read inside the forward of %s; it is now gathered with it",
                      unit.label, type(reader).__name__)
 
@@ -353,8 +353,7 @@ class Stage3Runtime:
         return unit is not None and unit.state is not UnitState.GATHERED
 
     def _post_forward(self, module: nn.Module, unit: Unit, output):
-        if self._active and self._active[-1] is module:
-            self._active.pop()
+        self._nesting.leave(module)
         unit.users -= 1
         unit.active.discard(id(module))
         if torch.is_grad_enabled() and unit.index not in self._backward_off:
@@ -367,22 +366,23 @@ class Stage3Runtime:
             return output
         if unit.users == 0 and not self._reused_soon(unit):
             if self._read_again_in_this_forward(unit):
-                self._deferred.add(unit.index)
+                self._nesting.deferred.add(unit.index)
             else:
                 self._release(unit)
-        if not self._active and self._deferred:  # the outermost forward is over
-            for index in sorted(self._deferred):
-                if self.units[index].users == 0:
-                    self._release(self.units[index])
-            self._deferred.clear()
+        self._release_deferred()
         return output
+
+    def _release_deferred(self) -> None:
+        for index in self._nesting.ended():  # the outermost forward is over
+            if self.units[index].users == 0:
+                self._release(self.units[index])
 
     def _read_again_in_this_forward(self, unit: Unit) -> bool:
         """Outside training passes, a unit of several modules stays gathered to the end of the
         outermost forward; `_make_room` still releases it if max_live_parameters needs."""
         if self.phase is not Phase.IDLE and torch.is_grad_enabled():
             return False  # a training pass: the recorded order decides (_reused_soon)
-        return bool(self._active) and len(self._users[unit.index]) > 1
+        return self._nesting.inside() and len(self._users[unit.index]) > 1
 
     def _pre_backward(self, unit: Unit) -> None:
         if self.phase is Phase.BACKWARD:
