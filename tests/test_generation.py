@@ -120,14 +120,14 @@ def _tied_gpt2():
     import transformers as hf
 
     torch.manual_seed(1234)
-    return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=1000, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+    return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=2000, n_positions=32, n_embd=64, n_layer=2, n_head=2,
                                             bos_token_id=0, eos_token_id=0)).eval()
 
 
-def _per_forward_tied(rank: int, world: int):
+def _per_forward_tied(rank: int, world: int, zero: dict):
     import zeroshard
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.0}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # units by size
+           "zero_optimization": {"stage": 3, **zero}}
     engine = zeroshard.initialize(_tied_gpt2(), cfg)
     runtime = engine.stage3
     tied = [u for u in runtime.units if len(runtime._users[u.index]) > 1]  # the head, its embedding a user
@@ -142,11 +142,14 @@ def _per_forward_tied(rank: int, world: int):
 
 
 @pytest.mark.timeout(300)
-def test_per_forward_generate_gathers_a_tied_unit_once_per_token():
+@pytest.mark.parametrize("zero", [{"stage3_param_persistence_threshold": 0}, {}], ids=["every-tensor-in-units", "defaults"])
+def test_per_forward_generate_gathers_a_tied_unit_once_per_token(zero):
     # GPT-2's head is tied to its embedding: one unit read by two modules in each forward. Outside
-    # the engine's passes it stays gathered to the end of the model's forward, not gathered twice
+    # the engine's passes it stays gathered to the end of the model's forward, not gathered twice.
+    # With the defaults the small tensors persist and the model's own module holds no unit (as in
+    # bench/bench_generation.py): its forward is still the outermost one
     want = _tied_gpt2().generate(torch.tensor([[1, 5, 9, 2]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    for r in run_ranks(_per_forward_tied, 2, timeout=300):
+    for r in run_ranks(_per_forward_tied, 2, zero, timeout=300):
         assert torch.equal(r["tokens"], want)
         assert r["tied"] == 1, r
         assert r["gathers"] == r["units"] * 6, r  # one all-gather per unit per token

@@ -104,7 +104,8 @@ def assemble(module: nn.Module, settings: Settings, comm: Comm, memory: MemoryLe
     grads = build_gradients(settings, buckets, comm, memory, pool)
     publisher = ParamPublisher(buckets, comm, zero.allgather_bucket_size)
     if stage3:
-        runtime = Stage3Runtime(units, zero.stage3, s3.external_users, stage3_collectives(comm, settings))
+        runtime = Stage3Runtime(units, zero.stage3, s3.external_users, stage3_collectives(comm, settings),
+                                module)
         for b in sorted(s3.persistent):  # units' parameters are labelled by their Unit
             label_bucket(buckets[b], ParamStatus.AVAILABLE, persist=True)
         in_units = {id(p) for bucket in frozen for p in bucket.params}

@@ -7,7 +7,7 @@ hooks go through `stages/hooks.py`, kept per unit so that they can be detached a
 again (DeepSpeed clients do around generation); each bucket owns its full buffer
 (`UnitBucket.start_gather` / `finish_gather` / `release`). Outside the engine's passes (its
 modules called directly, e.g. by `generate`) a unit is gathered around each forward (a unit of
-several modules, e.g. a tied embedding and head, to the end of the outermost one), unrecorded.
+several modules, e.g. a tied embedding and head, to the end of the model's: nesting.py), unrecorded.
 
 - forward: a unit's pre-forward hook gathers it (waiting for a prefetch if one is in
   flight) and prefetches the next units of the recorded order; its post-forward hook
@@ -74,7 +74,7 @@ class Stage3Collectives:
 
 class Stage3Runtime:
     def __init__(self, units: list[Unit], policy: Stage3Policy, external_users: dict[int, list[nn.Module]],
-                 collectives: Stage3Collectives) -> None:
+                 collectives: Stage3Collectives, root: nn.Module | None = None) -> None:
         self.units, self.policy, self.collectives = units, policy, collectives
         self.phase = Phase.IDLE
         self._trace: list[int] = []  # recorded gather order of a whole step
@@ -85,9 +85,9 @@ class Stage3Runtime:
         self._users = {u.index: [u.module, *external_users.get(u.index, [])] for u in units}
         self._hooks = {u.index: Hooks() for u in units}
         self._backward_off: set[int] = set()  # units whose backward hooks are detached
+        self._nesting = ForwardNesting(root, self._release_deferred)
         self.attach_hooks()
         self._unit_of_param = {id(p): u for u in units for b in u.buckets for p in b.params}
-        self._nesting = ForwardNesting()
         self._pinned: set[int] = set()  # units adopted by an outside read: kept until the pass ends
         self._external = {(id(m), u.index) for u in units for m in external_users.get(u.index, [])}
         self._reads = OutsideReads(self)
@@ -153,6 +153,7 @@ class Stage3Runtime:
             if not self._hooks[unit.index].attached:
                 for module in self._users[unit.index]:
                     self._register(module, unit)
+        self._nesting.hooked(True)
 
     def detach_hooks(self, units: list[Unit] | None = None, backward_only: bool = False) -> None:
         """Detach the hooks of `units`: with `backward_only`, only what prepares their backward
@@ -161,12 +162,12 @@ class Stage3Runtime:
             self._backward_off.add(unit.index)
             if not backward_only:
                 self._hooks[unit.index].remove()
+        self._nesting.hooked(any(h.attached for h in self._hooks.values()))
 
     def hook_handle(self, unit: Unit, backward: bool = False) -> Handle:  # remove(): detach_hooks
         return Handle(lambda: self.detach_hooks([unit], backward_only=backward))
 
-    def remove_hooks(self) -> None:
-        self.detach_hooks()
+    remove_hooks = detach_hooks  # every unit's, and the model's own (the engine's close)
 
     def release_all(self) -> None:
         """Between passes: release every gathered unit (kept for reuse by a forward whose backward
@@ -372,10 +373,9 @@ class Stage3Runtime:
         self._release_deferred()
         return output
 
-    def _release_deferred(self) -> None:
-        for index in self._nesting.ended():  # the outermost forward is over
-            if self.units[index].users == 0:
-                self._release(self.units[index])
+    def _release_deferred(self) -> None:  # the outermost forward is over
+        for unit in [self.units[i] for i in self._nesting.ended() if self.units[i].users == 0]:
+            self._release(unit)
 
     def _read_again_in_this_forward(self, unit: Unit) -> bool:
         """Outside training passes, a unit of several modules stays gathered to the end of the
