@@ -117,6 +117,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    reported: set[int] = set()  # ranks that put their outcome on the queue: they are on their way out
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(failures) < world_size:
@@ -125,6 +126,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
             try:
                 rank, ok, value = queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 (results if ok else failures)[rank] = from_wire(value) if ok else value
+                reported.add(rank)
                 continue
             except queue_empty:
                 pass
@@ -138,8 +140,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
                     break
                 raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)")
     finally:
-        for p in procs:
-            p.join(timeout=10 if len(results) + len(failures) == world_size else 0.1)
+        for r, p in enumerate(procs):  # a rank that never reported is stuck: killed at once
+            p.join(timeout=10 if r in reported else 0.1)
             if p.is_alive():
                 p.kill()
     if failures and not allow_failures:
