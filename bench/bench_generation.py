@@ -8,6 +8,9 @@ GPT2LMHeadModel from a GPT2Config (vocab 50,257, tied head, seeded random init, 
 8 layers, 51.5M) and "150m" (d 768, 16 layers, 152.8M); greedy, 64 new tokens (min_new_tokens 64), use_cache, batch 1, 16-token prompt:
 
   (a) unsharded    the whole model in one process: the limit.
+  (a2) unsharded x2 the same in 2 processes at once (a barrier before each call): the limit of 2
+      ranks on this machine, where both decode the whole model at once and share its memory
+      bandwidth and caches (decoding at batch 1 reads every weight once per token).
   (b) zs gather    zeroshard stage 3, `with engine.generation(): engine.module.generate(...)`.
   (c) zs 50% / 25% the same with max_bytes = 50% / 25% of the model's bytes (units that fit kept).
   (d) zs per-fwd   plain `engine.module.generate(...)`: every unit gathered for every forward.
@@ -118,6 +121,17 @@ def unsharded_rank(rank: int, world: int, model_name: str, repeats: int) -> dict
     model = build(model_name)
     generate(model, 4)  # warm-up: transformers' first-call setup
     return {"unsharded": timed(lambda: generate(model), repeats)}
+
+
+def unsharded_pair_rank(rank: int, world: int, model_name: str, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # for the barrier only: each process has the whole model
+    model = build(model_name)
+    generate(model, 4)
+    return {"unsharded x2": timed(lambda: generate(model), repeats, dist.barrier)}
 
 
 def zeroshard_rank(rank: int, world: int, model_name: str, repeats: int, order: list) -> dict:
@@ -269,6 +283,8 @@ def child(args) -> None:
     order = args.order.split(",")
     if args.child == "unsharded":
         res = run_ranks(unsharded_rank, 1, args.model, args.repeats, timeout=1800)
+    elif args.child == "pair":
+        res = run_ranks(unsharded_pair_rank, 2, args.model, args.repeats, timeout=1800)
     elif args.child == "zeroshard":
         res = run_ranks(zeroshard_rank, 2, args.model, args.repeats, order, timeout=1800)
     else:
@@ -301,7 +317,7 @@ def run_model(model: str, rounds: int, repeats: int, systems: list, ds_python: s
     extra: dict = {}
     for r in range(rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
-            names = {"unsharded": ["unsharded"], "zeroshard": list(ZS_VARIANTS), "deepspeed": list(DS_VARIANTS)}[system]
+            names = {"unsharded": ["unsharded"], "pair": ["unsharded x2"], "zeroshard": list(ZS_VARIANTS), "deepspeed": list(DS_VARIANTS)}[system]
             order = names[r % len(names):] + names[:r % len(names)]  # rotate the variants each round
             t0 = time.perf_counter()
             ranks = launch(system, model, repeats, order, ds_python)
@@ -354,6 +370,9 @@ def report(model: str, res: dict) -> None:
               f"{' / '.join(f'{r:,.0f}' for r in row['rss'])} | {e} | {gathers} | {same} |")
     b = NEW / statistics.median(rows["zs gather"]["times"])
     line = f"goals: (b)/(a) = {b / base:.2f} (goal >= 0.9: {'PASS' if b / base >= 0.9 else 'MISS'})"
+    if "unsharded x2" in rows:
+        pair = NEW / statistics.median(rows["unsharded x2"]["times"])
+        line += f"; (b)/(a2) = {b / pair:.2f} (a2: the unsharded model in 2 processes at once, {pair / base:.2f} x (a))"
     if best_ds is not None:
         line += f"; (b) / best DeepSpeed = {b / best_ds:.2f} (goal > 1: {'PASS' if b > best_ds else 'MISS'})"
     print(line)
@@ -372,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ds", action="store_true", help="leave DeepSpeed out")
     ap.add_argument("--ds-python", default=os.environ.get("DS_PYTHON", "/work/dsvenv/bin/python"),
                     help="a python with deepspeed installed (default $DS_PYTHON or /work/dsvenv/bin/python)")
-    ap.add_argument("--child", choices=("unsharded", "zeroshard", "deepspeed"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("unsharded", "pair", "zeroshard", "deepspeed"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--order", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -382,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     models = ["50m"] if args.quick else args.models.split(",")
     rounds = 2 if args.quick else args.rounds
-    systems = ["unsharded", "zeroshard"]
+    systems = ["unsharded", "pair", "zeroshard"]
     if not args.no_ds:
         if os.path.exists(args.ds_python):
             systems.append("deepspeed")
