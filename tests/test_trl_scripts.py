@@ -32,6 +32,8 @@ def test_sft_trainer_at_zero3_equals_ddp(tmp_path):
     _close(zero3["losses"], ddp["losses"])
 
 
+@pytest.mark.slow  # its short form: tests/test_trl_deepspeed.py's DPO-sync tests (the same script and
+# scenario against recorded DeepSpeed 0.19.8 and against one process, in the default run)
 def test_dpo_trainer_with_reference_and_sync_at_zero3_equals_ddp(tmp_path):
     # TRL's prepare_deepspeed engine for the reference (no optimizer) and its SyncRefModelCallback
     # (GatheredParameters over policy + reference, modifier_rank=0) after steps 2 and 4
