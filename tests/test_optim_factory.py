@@ -114,8 +114,8 @@ def test_unknown_key_error_names_optimizer_key_and_valid_keys():
 
 
 def test_other_errors():
-    with pytest.raises(ConfigError, match="bias_correction"):
-        build_optimizer(OptimizerSpec("adam", {"bias_correction": False}), _params())
+    with pytest.raises(ConfigError, match="amsgrad with bias_correction=false"):
+        build_optimizer(OptimizerSpec("adam", {"bias_correction": False, "amsgrad": True}), _params())
     with pytest.raises(ConfigError, match="gradient_clipping"):
         build_optimizer(OptimizerSpec("adamw", {"max_grad_norm": 1.0}), _params())
     with pytest.raises(NotSupportedYetError, match="musgd"):

@@ -28,6 +28,7 @@ from zeroshard.optim.muon_groups import MUON_KEYS, build_muon
 from zeroshard.optim.onebit import OneBitAdam
 from zeroshard.optim.onebit_lamb import OneBitLamb
 from zeroshard.optim.zeroone import ZeroOneAdam
+from zeroshard.optim.uncorrected_adam import UncorrectedAdam
 from zeroshard.policies import ConfigError, NotSupportedYetError, OptimizerSpec
 from zeroshard.policies.onebit import (
     ONEBIT_ADAM_KEYS, ONEBIT_KINDS, ONEBIT_LAMB_KEYS, ZERO_ONE_ADAM_KEYS, onebit_kwargs,
@@ -92,13 +93,15 @@ def _classify(spec: OptimizerSpec) -> tuple[type[torch.optim.Optimizer], dict[st
     if kind == "lamb":
         return Lamb, params
 
-    if not params.pop("bias_correction", True):
-        raise ConfigError(f"optimizer {spec.type!r}: bias_correction=false is not supported by torch's Adam; "
-                          "remove the key or set it to true")
+    corrected = params.pop("bias_correction", True)
     params.pop("torch_adam", None)
     adam_w_mode = params.pop("adam_w_mode", True)
     decoupled = kind == "adamw" or bool(adam_w_mode)
     params.setdefault("weight_decay", 0.0)
+    if not corrected:  # DeepSpeed's kernels with both corrections 1; torch's Adam has no such switch
+        if params.pop("amsgrad", False):
+            raise ConfigError(f"optimizer {spec.type!r}: amsgrad with bias_correction=false is not built")
+        return UncorrectedAdam, {**params, "adam_w_mode": decoupled}
     return (torch.optim.AdamW if decoupled else torch.optim.Adam), params
 
 
@@ -151,7 +154,7 @@ def optimizer_state_bytes_per_param(spec: OptimizerSpec) -> int:
     cls, kwargs = _classify(spec)
     if cls in (ZeroOneAdam, OneBitLamb):  # m, v and u / v_fresh; the 1-bit errors come on top
         return 12
-    if cls in (Lamb, OneBitAdam):  # the 1-bit errors come on top after freeze_step (error_bytes)
+    if cls in (Lamb, OneBitAdam, UncorrectedAdam):  # the 1-bit errors come on top after freeze_step (error_bytes)
         return 8
     if cls is Muon:  # 4 (momentum) for matrices, 8 (AdamW) for the rest; the upper bound
         return 8

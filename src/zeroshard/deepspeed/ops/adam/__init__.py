@@ -5,7 +5,8 @@ adamw_mode=True)` and `FusedAdam(...)` are `torch.optim.Adam` with decoupled wei
 when `adamw_mode` (AdamW, DeepSpeed's default) and L2 decay otherwise. Built over
 zeroshard's shards by `deepspeed.initialize`, they get torch's fused kernel (on the host:
 zeroshard's host Adam; on CUDA: the fused device kernel), as any torch Adam does.
-`bias_correction=False` is refused: torch's Adam always corrects the bias.
+`bias_correction=False` is refused here (torch's Adam always corrects the bias); the config's
+`"optimizer": {"type": "Adam", "params": {"bias_correction": false}}` builds it (optim/uncorrected_adam.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class _DeepSpeedAdam(torch.optim.Adam):
         name = type(self).__name__
         if not bias_correction:
             raise ConfigError(f"deepspeed.ops.adam.{name}(bias_correction=False) is not served by zeroshard: "
-                              "torch's Adam always corrects the bias")
+                              "name the optimizer in the config instead ({\"type\": \"Adam\", \"params\": "
+                              "{\"bias_correction\": false}}), which builds DeepSpeed's uncorrected update")
         if not fp32_optimizer_states:
             raise ConfigError(f"deepspeed.ops.adam.{name}(fp32_optimizer_states=False) is not served by "
                               "zeroshard: optimizer states are fp32")

@@ -1,0 +1,58 @@
+"""Adam without bias correction: DeepSpeed's `Adam` / `AdamW` with `"bias_correction": false`
+(DeepSpeed's BERT configs set it). torch's Adam always corrects the bias, so this is written
+here, from DeepSpeed 0.19.8's kernels (csrc/adam/cpu_adam_impl.cpp, csrc/adam/multi_tensor_adam.cu),
+where `bias_correction` false sets both corrections to 1:
+
+    g = g + weight_decay * p            (adam_w_mode false: L2, before the moments)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    p = p - lr * weight_decay * p       (adam_w_mode true: decoupled, from the same p)
+    p = p - lr * m / (sqrt(v) + eps)
+
+Elementwise, so the sharded optimizer steps it over flat fp32 shards at every stage; states
+`exp_avg`, `exp_avg_sq` (8 bytes per element) and `step`, as torch's Adam names them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["UncorrectedAdam"]
+
+
+class UncorrectedAdam(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, adam_w_mode: bool = True) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"invalid lr {lr}, eps {eps} or weight_decay {weight_decay}: each must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      adam_w_mode=adam_w_mode))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                if p.grad.is_sparse:
+                    raise RuntimeError("Adam does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
+                if wd and not group["adam_w_mode"]:
+                    g = g.add(p, alpha=wd)
+                m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                if wd and group["adam_w_mode"]:
+                    p.mul_(1.0 - lr * wd)
+                p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+        return loss
