@@ -144,10 +144,40 @@ def test_deepspeed_adam_classes_are_torch_adam_with_deepspeeds_decay_modes(adamw
 
     ref = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     want = steps(lambda ps: ref(ps, lr=0.1, weight_decay=0.2))
-    for cls in (DeepSpeedCPUAdam, FusedAdam):
-        assert torch.allclose(steps(lambda ps: cls(ps, lr=0.1, weight_decay=0.2, adamw_mode=adamw_mode)), want)
-    with pytest.raises(ConfigError, match="bias_correction=False"):
-        DeepSpeedCPUAdam([nn.Parameter(torch.zeros(1))], bias_correction=False)
+    assert torch.allclose(steps(lambda ps: DeepSpeedCPUAdam(ps, lr=0.1, weight_decay=0.2, adamw_mode=adamw_mode)), want)
+    assert torch.allclose(steps(lambda ps: FusedAdam(ps, lr=0.1, weight_decay=0.2, adam_w_mode=adamw_mode)), want)
+    # DeepSpeed's positional order: FusedAdam's decay mode comes before weight_decay, the CPU class's after amsgrad
+    assert torch.allclose(steps(lambda ps: FusedAdam(ps, 0.1, True, (0.9, 0.999), 1e-8, adamw_mode, 0.2)), want)
+    assert torch.allclose(steps(lambda ps: DeepSpeedCPUAdam(ps, 0.1, True, (0.9, 0.999), 1e-8, 0.2, False, adamw_mode)),
+                          want)
+    with pytest.raises(ConfigError, match="AMSGrad"):
+        FusedAdam([nn.Parameter(torch.zeros(1))], amsgrad=True)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_deepspeed_adam_classes_without_bias_correction_are_deepspeeds_uncorrected_update(adamw_mode):
+    from zeroshard.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from zeroshard.optim.uncorrected_adam import UncorrectedAdam
+
+    def steps(make) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(5))
+        opt = make([p])
+        for _ in range(3):
+            p.grad = torch.sin(p.detach() * 3)
+            opt.step()
+        return p.detach(), opt
+
+    want, _ = steps(lambda ps: UncorrectedAdam(ps, lr=0.1, weight_decay=0.2, adam_w_mode=adamw_mode))
+    corrected, _ = steps(lambda ps: UncorrectedAdam(ps, lr=0.1, weight_decay=0.2, adam_w_mode=not adamw_mode))
+    assert not torch.allclose(want, corrected)  # the decay mode matters here
+    for make in (lambda ps: FusedAdam(ps, lr=0.1, bias_correction=False, weight_decay=0.2, adam_w_mode=adamw_mode),
+                 lambda ps: FusedAdam(ps, 0.1, False, (0.9, 0.999), 1e-8, adamw_mode, 0.2),
+                 lambda ps: DeepSpeedCPUAdam(ps, lr=0.1, bias_correction=False, weight_decay=0.2, adamw_mode=adamw_mode)):
+        got, opt = steps(make)
+        assert isinstance(opt, UncorrectedAdam) and torch.equal(got, want)
+    with pytest.raises(ConfigError, match="amsgrad"):
+        DeepSpeedCPUAdam([nn.Parameter(torch.zeros(1))], bias_correction=False, amsgrad=True)
 
 
 def test_deepspeed_adam_keeps_its_decay_mode_when_zeroshard_rebuilds_it():

@@ -70,13 +70,29 @@ def test_built_from_a_deepspeed_config():
     assert optimizer_state_bytes_per_param(OptimizerSpec("adam", {"bias_correction": False})) == 8
 
 
+def _dropin_engine(case, rank, world_size):
+    """A DeepSpeed script's own optimizer: FusedAdam(bias_correction=False) given to initialize."""
+    import zeroshard.deepspeed as deepspeed
+    from oracle import make_model, run_steps
+    from zeroshard.deepspeed.ops.adam import FusedAdam
+
+    model = make_model(case)
+    opt = FusedAdam(model.parameters(), lr=LR, bias_correction=False, betas=BETAS, eps=EPS, weight_decay=WD)
+    config = {k: v for k, v in config_for(case, world_size).items() if k != "optimizer"}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    run_steps(engine, case, rank, world_size)
+    return engine.zeroshard
+
+
 def _sharded(rank, world_size, stages):
     out = {}
     with one_group():
         for stage in stages:
-            case = Case(stage=stage)
-            cfg = {**config_for(case, world_size), "optimizer": SECTION}
-            engine, _ = train_engine(case, rank, world_size, cfg)
+            if stage == "dropin3":
+                engine = _dropin_engine(Case(stage=3), rank, world_size)
+            else:
+                case = Case(stage=stage)
+                engine, _ = train_engine(case, rank, world_size, {**config_for(case, world_size), "optimizer": SECTION})
             assert type(engine.optimizer.optimizer) is UncorrectedAdam
             out[stage] = engine.full_state_dict()
             states = engine.optimizer.optimizer.state.values()
@@ -87,7 +103,7 @@ def _sharded(rank, world_size, stages):
 
 
 def test_sharded_at_stages_0_to_3_equals_one_process():
-    stages = [0, 1, 2, 3]
+    stages = [0, 1, 2, 3, "dropin3"]  # dropin3: the script's own deepspeed.ops.adam.FusedAdam at stage 3
     results = run_ranks(_sharded, 2, stages, timeout=300)
     want = train_reference(Case(), 2, make_optimizer=KernelAdam)
     for stage in stages:
