@@ -29,8 +29,8 @@ def precision_policy(config: RootConfig) -> PrecisionPolicy:
     if fp16 and bf16:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
     comm = Precision(config.communication_data_type) if config.communication_data_type else None
-    # a 16-bit model's gradients accumulated in fp32 (stages 2-3; support.py refuses the others)
-    accum = Precision.FP32 if (fp16 or bf16) and config.stage in (2, 3) and _fp32_accum(config) else None
+    # a 16-bit model's gradients accumulated in fp32 (stages 1-3; support.py refuses the others)
+    accum = Precision.FP32 if (fp16 or bf16) and config.stage in (1, 2, 3) and _fp32_accum(config) else None
     if fp16:
         scale = _same_named(LossScalePolicy, config.fp16, static_scale=config.fp16.loss_scale)
         return PrecisionPolicy(compute=Precision.FP16, reduce=comm or Precision.FP16, loss_scale=scale,

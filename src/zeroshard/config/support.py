@@ -74,8 +74,9 @@ _DTYPE_NAMES = {  # DeepSpeed's DtypeEnum spellings
 def _grad_accum_other(c: RootConfig) -> str | None:
     """`data_types.grad_accum_dtype` when it differs from the model's dtype (the same dtype is
     what zeroshard, and DeepSpeed by default, accumulate in). DeepSpeed refuses a different one
-    at stage 0 ("unsupported mix"); at stages 1-3 it accumulates in it, which zeroshard builds at
-    stages 2-3 (fp32 shard accumulators: config/build.py) and not at stage 1."""
+    at stage 0 ("unsupported mix"); at stages 1-3 it accumulates in it, which zeroshard builds for
+    fp32 (stage 1: a full fp32 accumulator, stages/accumulated_gradients.py; stages 2-3: fp32
+    shard accumulators) and not for a 16-bit type other than the model's."""
     name = c.data_types.grad_accum_dtype if c.data_types else None
     if name is None:
         return None
@@ -83,7 +84,7 @@ def _grad_accum_other(c: RootConfig) -> str | None:
     if dtype is None:
         raise ConfigError(f"data_types.grad_accum_dtype = {name!r}: expected fp32, fp16 or bf16")
     model = "fp16" if _enabled(c.fp16) else "bf16" if _enabled(c.bf16) else "fp32"
-    if dtype == model or (dtype == "fp32" and c.stage in (2, 3)):
+    if dtype == model or (dtype == "fp32" and c.stage in (1, 2, 3)):
         return None
     if c.stage == 0:
         raise ConfigError(f"data_types.grad_accum_dtype = {name!r} with a {model} model at stage 0: DeepSpeed "
@@ -106,7 +107,8 @@ GAPS: tuple[Gap, ...] = (
         lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_master_weights_and_grads)), "false"),
     Gap("bf16.bf16_optimizer_states",
         lambda c: _when(bool(_enabled(c.bf16) and c.bf16.bf16_optimizer_states)), "false"),
-    Gap("data_types.grad_accum_dtype", lambda c: _grad_accum_other(c), "null or the model's dtype", frozenset({1})),
+    Gap("data_types.grad_accum_dtype", lambda c: _grad_accum_other(c), "null, fp32 or the model's dtype",
+        frozenset({1, 2, 3})),
     Gap("managed_gradient_accumulation", lambda c: _when(not c.managed_gradient_accumulation, False), "true"),
     Gap("activation_checkpointing.partition_activations",
         lambda c: _when(bool(c.activation_checkpointing and c.activation_checkpointing.partition_activations)),

@@ -33,6 +33,7 @@ from zeroshard.stages.assembly import (
     split_parameters,
     take_masters_and_cast,
 )
+from zeroshard.stages.accumulated_gradients import AccumulatedScatteredGradients
 from zeroshard.stages.gradients import (
     MAX_IN_FLIGHT,
     AllReducedGradients,
@@ -171,10 +172,14 @@ def build_gradients(settings: Settings, buckets: list[FlatBucket], comm: Comm,
                   ignore_unused=zero.ignore_unused_parameters, scaling=settings.gradient_reduce)
     if zero.stage == Stage.DATA_PARALLEL:
         return AllReducedGradients(buckets, comm, memory, **common)
+    accum = settings.precision.grad_accum.dtype if settings.precision.grad_accum else None
+    if zero.stage == Stage.OPTIMIZER_STATES and accum is not None:
+        return AccumulatedScatteredGradients(buckets, comm, memory, use_all_reduce=not zero.reduce_scatter,
+                                             accum_dtype=accum, **common)
     if zero.stage == Stage.OPTIMIZER_STATES:
         return ScatteredGradients(buckets, comm, memory, use_all_reduce=not zero.reduce_scatter, **common)
     if zero.stage in (Stage.GRADIENTS, Stage.PARAMETERS):
-        reducer, accum = None, settings.precision.grad_accum.dtype if settings.precision.grad_accum else None
+        reducer = None
         if zero.stage == Stage.PARAMETERS and zero.zeropp.quantized_gradients and comm.world_size > 1:
             # qgZ: the reduce-scatter becomes a 2-hop quantized all-to-all (it replaces the
             # all-reduce of reduce_scatter=false as well: it is the reduction)
