@@ -81,14 +81,103 @@ def test_autocast_config():
     default = _load({"enabled": True})  # no dtype: torch.autocast's default for the device
     assert default.runtime.autocast == "default"
     assert resolve_autocast(default, torch.device("cpu")).runtime.autocast == "bfloat16"
-    if torch.cuda.is_available():  # float16 on CUDA: not built yet
-        with pytest.raises(NotSupportedYetError, match="float16"):
-            resolve_autocast(default, torch.device("cuda"))
+    before = torch.get_autocast_dtype("cpu")
+    torch.set_autocast_dtype("cpu", torch.float16)  # as on CUDA: the default is float16, with its scaler
+    try:
+        fp16 = resolve_autocast(default, torch.device("cpu"))
+        assert fp16.runtime.autocast == "float16" and fp16.precision.loss_scale.rule == "torch"
+        bf16_model = _load({"enabled": True}, bf16={"enabled": True})
+        with pytest.raises(NotSupportedYetError, match="runs in float16 on cpu, which with a bf16 model"):
+            resolve_autocast(bf16_model, torch.device("cpu"))
+    finally:
+        torch.set_autocast_dtype("cpu", before)
     assert _load({"enabled": True, "dtype": "bf16"}).runtime.autocast == "bfloat16"
     assert _load({"enabled": False, "dtype": "bf16"}).runtime.autocast is None
     assert any(n.startswith("torch_autocast: the forward runs under torch.autocast") for n in
                _load({"enabled": True, "dtype": "torch.bfloat16"}).notes)
-    with pytest.raises(NotSupportedYetError, match="torch_autocast in float16 is not built yet"):
-        _load({"enabled": True, "dtype": "fp16"})
+    half = _load({"enabled": True, "dtype": "fp16"})
+    assert half.runtime.autocast == "float16" and half.precision.loss_scale.rule == "torch"
+    assert half.precision.compute.value == "fp32"
+    assert any(n.startswith("torch_autocast in float16: the loss is scaled") for n in half.notes)
+    assert _load({"enabled": True, "dtype": "bf16"}).precision.loss_scale is None
+    for model in ("fp16", "bf16"):
+        with pytest.raises(NotSupportedYetError, match=f"torch_autocast in float16 with {model}.enabled is not built"):
+            _load({"enabled": True, "dtype": "fp16"}, **{model: {"enabled": True}})
+    with pytest.raises(ConfigError, match="DeepSpeed refuses this pair"):
+        _load({"enabled": True, "dtype": "bf16"}, zero_optimization={"stage": 3, "zero_quantized_weights": True})
     with pytest.raises(ConfigError, match="torch_autocast.dtype = 'int8' is not a dtype autocast runs in"):
         _load({"enabled": True, "dtype": "int8"})
+
+
+# ---------------------------------------------------------------- float16: DeepSpeed's GradScaler
+BLOW_UP = 1, 1e6  # at this step the loss is multiplied by this: its fp16 backward overflows
+
+
+def _fp16_reference(case: Case) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process as DeepSpeed at stage 0: fp32 model, forward under fp16 autocast,
+    torch.amp.GradScaler with its defaults around a torch optimizer."""
+    model = make_model(case)
+    opt = torch_optimizer(case, list(model.parameters()))
+    scaler = torch.amp.GradScaler("cpu")
+    scales = []
+    for step in range(case.steps):
+        x, y = batch(case, step, WORLD)
+        for rank in range(WORLD):
+            lo, hi = rank * MICRO, (rank + 1) * MICRO
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_of(model, x[lo:hi], y[lo:hi]) * (BLOW_UP[1] if step == BLOW_UP[0] else 1.0)
+            scaler.scale(loss / WORLD).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=False)
+        scales.append(scaler.get_scale())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, scales
+
+
+def _fp16_ranks(rank, world_size, stages):
+    import zeroshard
+
+    out = {}
+    with one_group():
+        for stage in stages:
+            case = Case(stage=stage)
+            cfg = {**config_for(case, world_size), "torch_autocast": {"enabled": True, "dtype": "fp16"}}
+            engine = zeroshard.initialize(make_model(case), cfg)
+            scales = []
+            for step in range(case.steps):
+                x, y = batch(case, step, world_size)
+                lo, hi = rank * MICRO, (rank + 1) * MICRO
+                loss = loss_of(engine, x[lo:hi], y[lo:hi]) * (BLOW_UP[1] if step == BLOW_UP[0] else 1.0)
+                engine.backward(loss)
+                engine.step()
+                scales.append(engine.loss_scale)
+            out[stage] = {"state": engine.full_state_dict(), "scales": scales, "skipped": engine.skipped_steps}
+            engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stages", [[0, 3], pytest.param([1, 2], marks=pytest.mark.slow)], ids=["z0z3", "z1z2"])
+def test_float16_autocast_scales_and_skips_as_torchs_grad_scaler(stages):
+    results = run_ranks(_fp16_ranks, WORLD, stages, timeout=240)
+    want, scales = _fp16_reference(Case())
+    assert scales[BLOW_UP[0]] == scales[0] / 2 == 2.0**15  # the reference overflowed there and skipped
+    for stage in stages:
+        for r in results:
+            got = r[stage]
+            assert got["scales"] == scales and got["skipped"] == 1, (stage, got["scales"], scales)
+            bad = sgd_close({k: v.float() for k, v in got["state"].items()}, want)
+            assert not bad, f"stage {stage}: {bad[:3]}"
+
+
+def test_grad_scaler_rule_is_torchs_update():
+    """GradScalerRule against torch's own kernel (`_amp_update_scale_`, what GradScaler.update
+    runs), with a growth interval of 3 over a fixed mix of good and overflowing steps."""
+    from zeroshard.optim.loss_scaler import GradScalerRule
+
+    ours = GradScalerRule(growth_interval=3)
+    scale, tracker = torch.full((1,), 2.0**16), torch.zeros(1, dtype=torch.int32)
+    for overflow in [0, 0, 0, 0, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]:
+        torch._amp_update_scale_(scale, tracker, torch.full((1,), float(overflow)), 2.0, 0.5, 3)
+        ours.update(bool(overflow))
+        assert (ours.scale, ours.growth_tracker) == (scale.item(), tracker.item())
+    assert ours.skipped_steps == 3

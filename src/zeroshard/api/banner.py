@@ -56,6 +56,8 @@ def startup_banner(run: Assembled, topo: Topology, lr_scheduler: Any) -> list[st
         ls = p.loss_scale
         scaling = (f"dynamic from 2^{ls.initial_scale_power}, window {ls.loss_scale_window}, "
                    f"hysteresis {ls.hysteresis}, min {ls.min_loss_scale:g}") if ls.dynamic else f"static {ls.static_scale:g}"
+        if ls.rule == "torch":
+            scaling = "torch GradScaler's (from 2^16, x2 after 2000 good steps, /2 at an overflow)"
     clip = f"{s.gradient_clipping:g}" if s.gradient_clipping > 0 else "off"
     kernel = "fused" if run.optimizer.optimizer.defaults.get("fused") else (
         "foreach" if run.optimizer.optimizer.defaults.get("foreach") else "default")

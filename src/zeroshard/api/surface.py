@@ -10,8 +10,8 @@ import logging
 
 import torch
 
-from zeroshard.config.build import AUTOCAST_FP16
-from zeroshard.policies import NotSupportedYetError, Settings
+from zeroshard.config.build import TORCH_GRAD_SCALER
+from zeroshard.policies import NotSupportedYetError, Precision, Settings
 
 log = logging.getLogger("zeroshard")
 
@@ -103,9 +103,15 @@ def resolve_autocast(settings: Settings, device: torch.device) -> Settings:
     if settings.runtime.autocast != "default":
         return settings
     dtype = str(torch.get_autocast_dtype(device.type)).replace("torch.", "")
-    if dtype == "float16":
-        raise NotSupportedYetError(AUTOCAST_FP16)
-    return dataclasses.replace(settings, runtime=dataclasses.replace(settings.runtime, autocast=dtype))
+    precision = settings.precision
+    if dtype == "float16":  # DeepSpeed's GradScaler, as for an explicit float16 (config/build.py)
+        if precision.compute != Precision.FP32:
+            raise NotSupportedYetError(f"torch_autocast without a dtype runs in float16 on {device.type}, which with "
+                                       f"a {precision.compute.value} model is not built: set torch_autocast.dtype to "
+                                       "\"bfloat16\", or disable the fp16/bf16 section")
+        precision = dataclasses.replace(precision, loss_scale=TORCH_GRAD_SCALER)
+    return dataclasses.replace(settings, precision=precision,
+                               runtime=dataclasses.replace(settings.runtime, autocast=dtype))
 
 
 def autocast_forward(dtype_name: str | None, device: torch.device):

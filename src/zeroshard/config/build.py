@@ -37,7 +37,14 @@ def precision_policy(config: RootConfig) -> PrecisionPolicy:
                                grad_accum=accum)
     if bf16:
         return PrecisionPolicy(compute=Precision.BF16, reduce=comm or Precision.BF16, grad_accum=accum)
-    return PrecisionPolicy(compute=Precision.FP32, reduce=comm or Precision.FP32)
+    autocast = config.torch_autocast is not None and config.torch_autocast.enabled
+    fp16_autocast = autocast and autocast_dtype(config.torch_autocast.dtype) == "float16"
+    return PrecisionPolicy(compute=Precision.FP32, reduce=comm or Precision.FP32,
+                           loss_scale=TORCH_GRAD_SCALER if fp16_autocast else None)
+
+
+# DeepSpeed's loss scaling for torch_autocast in float16 at every stage: torch.amp.GradScaler()
+TORCH_GRAD_SCALER = LossScalePolicy(rule="torch")
 
 
 def _fp32_accum(config: RootConfig) -> bool:
@@ -161,6 +168,7 @@ def runtime_policy(config: RootConfig) -> RuntimePolicy:
                               "zeroshard.cast_forward_inputs = false says not to; remove one of them")
         policy = dataclasses.replace(policy, cast_forward_inputs=True)
     if config.torch_autocast is not None and config.torch_autocast.enabled:
+        check_autocast(config)
         policy = dataclasses.replace(policy, autocast=autocast_dtype(config.torch_autocast.dtype))
     return policy
 
@@ -180,14 +188,25 @@ def autocast_dtype(name: str | None) -> str:
     if dtype is None:
         raise ConfigError(f"torch_autocast.dtype = {name!r} is not a dtype autocast runs in: use \"bfloat16\" "
                           "(DeepSpeed also spells it \"bf16\" or \"torch.bfloat16\")")
-    if dtype == "float16":
-        raise NotSupportedYetError(AUTOCAST_FP16)
     return dtype
 
 
-AUTOCAST_FP16 = ("torch_autocast in float16 is not built yet in zeroshard (it needs a gradient scaler over the fp32 "
-                 "parameters, DeepSpeed's GradScaler); set torch_autocast.dtype to \"bfloat16\", or use the fp16 "
-                 "section instead")
+def check_autocast(config: RootConfig) -> None:
+    """torch_autocast in float16 scales the loss with torch's GradScaler over fp32 parameters; a
+    16-bit model under it (the fp16 section's own scaler, or bf16 weights) is not built."""
+    if config.torch_autocast is None or not config.torch_autocast.enabled:
+        return
+    if config.zero.zero_quantized_weights:
+        raise ConfigError("torch_autocast with zero_optimization.zero_quantized_weights: DeepSpeed refuses this "
+                          "pair (\"Cannot enable both torch autocast and zero quantized weights\"); disable one")
+    if autocast_dtype(config.torch_autocast.dtype) != "float16":
+        return
+    model = "fp16" if config.fp16 is not None and config.fp16.enabled else (
+        "bf16" if config.bf16 is not None and config.bf16.enabled else None)
+    if model is not None:
+        raise NotSupportedYetError(f"torch_autocast in float16 with {model}.enabled is not built: zeroshard serves "
+                                   "it over fp32 parameters (DeepSpeed's GradScaler); disable the "
+                                   f"{model} section, or set torch_autocast.dtype to \"bfloat16\"")
 
 
 def build_notes(config: RootConfig) -> list[str]:
@@ -200,6 +219,10 @@ def build_notes(config: RootConfig) -> list[str]:
                      "reduction stay fp32 (DeepSpeed reduces the gradients of its lower_precision_safe_modules "
                      "in the autocast dtype at stages 1-2: zeroshard's are exact, at twice the bytes), so "
                      "torch_autocast.lower_precision_safe_modules has no effect")
+        if autocast_dtype(config.torch_autocast.dtype) == "float16":
+            notes.append("torch_autocast in float16: the loss is scaled as DeepSpeed does, with torch.amp.GradScaler's "
+                         "defaults and rule; a step whose gradients overflow on any rank is skipped on every rank "
+                         "(DeepSpeed's GradScaler at stages 1-3 looks only at its own rank's partition)")
     zero = config.zero
     if zero.stage in (1, 2) and zero.overlap_comm is None:
         notes.append("zero_optimization.overlap_comm not set: zeroshard overlaps gradient reduction with "

@@ -19,7 +19,7 @@ from typing import Any
 
 from zeroshard.policies import ConfigError, LossScalePolicy, ZeroShardError
 
-__all__ = ["LossScaler", "DynamicLossScaler", "make_loss_scaler"]
+__all__ = ["LossScaler", "DynamicLossScaler", "GradScalerRule", "make_loss_scaler"]
 
 
 class LossScaler:
@@ -111,10 +111,45 @@ class DynamicLossScaler(LossScaler):
         self.hysteresis_left = int(d["hysteresis_left"])
 
 
+class GradScalerRule(LossScaler):
+    """torch.amp.GradScaler's scale with its defaults, which DeepSpeed creates for `torch_autocast`
+    in float16 (fp32 parameters, fp16 activations): from 2^16, halved at every overflow, doubled
+    after `growth_interval` consecutive good steps (torch's `_amp_update_scale_`: the tracker
+    counts good steps and restarts at 0 after an overflow or a growth). No minimum, no hysteresis."""
+
+    dynamic = True
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> None:
+        super().__init__(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.growth_tracker = 0
+
+    def update(self, overflow: bool) -> None:
+        super().update(overflow)
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        super().load_state_dict(d)
+        self.growth_tracker = int(d.get("growth_tracker", 0))
+
+
 def make_loss_scaler(policy: LossScalePolicy | None) -> LossScaler:
     """The scaler a precision policy asks for; None (bf16/fp32) gives a fixed scale of 1.0."""
     if policy is None:
         return LossScaler(1.0)
+    if policy.rule == "torch":
+        return GradScalerRule()
     if not policy.dynamic:
         return LossScaler(policy.static_scale)
     return DynamicLossScaler(initial_scale=2.0**policy.initial_scale_power,

@@ -61,6 +61,9 @@ class LossScalePolicy:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
+    # "deepspeed": the fp16 section's scaler (the knobs above); "torch": torch.amp.GradScaler's
+    # defaults and rule, which DeepSpeed uses for torch_autocast in float16 (the knobs unused)
+    rule: str = "deepspeed"
 
     @property
     def dynamic(self) -> bool:
