@@ -18,7 +18,7 @@ from onebit_reference import (
     FREEZE, LAMB, N, ONE_BUCKET, ONEBIT, STEPS, ZO, ZO_STEPS, SimulatedOneBitAdam, SimulatedOneBitLamb,
     simulated_reference, zero_one_reference,
 )
-from oracle import Case, adam_fraction_off, config_for, make_model, run_steps, sgd_close
+from oracle import MICRO, Case, adam_fraction_off, config_for, make_model, run_steps, sgd_close
 from zeroshard.config import load_config
 from zeroshard.policies import ConfigError
 
@@ -185,3 +185,70 @@ def test_onebit_lamb_equals_the_simulated_workers():
     moved = {k: got[k] - results[0]["kept"][k] for k in want}
     frac = adam_fraction_off(moved, {k: want[k] - at_freeze[k] for k in want}, rel=1e-2)
     assert frac <= 0.02, f"{frac:.2%} of OneBitLamb's compressed-step updates differ by > 1% (limit 2% of entries)"
+
+
+def _per_tensor_states(engine) -> dict[str, dict[str, float]]:
+    """OneBitLamb's per-tensor states by tensor name (empty for OneBitAdam)."""
+    opt = engine.optimizer
+    names = getattr(opt.optimizer, "per_tensor_states", ())
+    out: dict[str, dict[str, float]] = {}
+    for bucket, master in zip(engine.buckets, opt.masters):
+        for k, slot in enumerate(bucket.slots):
+            out[slot.name] = {n: opt.state[master][n][k].item() for n in names if n in opt.state[master]}
+    return out
+
+
+def _save_after_freeze(rank, world_size, root, kind):
+    """OneBitAdam past freeze_step on 2 ranks, saved; its whole states and a resumed continuation."""
+    from test_checkpoint_resume import full_states
+
+    section = ONEBIT if kind == "OneBitAdam" else {**ONEBIT, "type": kind}
+    with one_group():
+        case = Case(stage=0, steps=FREEZE + 1)
+        engine = zeroshard.initialize(make_model(case), {**config_for(case, world_size), "optimizer": section})
+        run_steps(engine, case, rank, world_size)
+        engine.save_checkpoint(root)
+        out = {"states": full_states(engine), "errors": engine.optimizer.optimizer.error_bytes,
+               "per_tensor": _per_tensor_states(engine)}
+        engine.close()
+        resumed = zeroshard.initialize(make_model(case), {**config_for(case, world_size), "optimizer": section})
+        resumed.load_checkpoint(root)
+        opt = resumed.optimizer.optimizer
+        out["resumed"] = {"states": full_states(resumed), "steps_done": opt.steps_done,
+                          "per_tensor": _per_tensor_states(resumed),
+                          "full_reduce": opt.reduces_gradients(), "errors": opt.error_bytes}
+        resumed.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["OneBitLamb", pytest.param("OneBitAdam", marks=pytest.mark.slow)])
+def test_onebit_checkpoint_after_freeze_reloads_and_reshards(tmp_path, monkeypatch, kind):
+    """Saved past freeze_step on 2 ranks: reloaded on 2 ranks and resharded onto 1 rank with
+    other buckets, the moments, OneBitLamb's per-tensor coefficients (found by tensor name) and
+    the step counts come back exactly, the compressed phase goes on
+    (no full all-reduce), and the 1-bit errors start from zero (as DeepSpeed: they are per rank
+    and not saved)."""
+    from test_checkpoint_resume import _assert_states_equal, full_states
+
+    results = run_ranks(_save_after_freeze, N, str(tmp_path / "ckpt"), kind, timeout=240)
+    for r in results:
+        assert r["errors"] > 0  # the compressed steps held errors at the save
+        _assert_states_equal(r["resumed"]["states"], r["states"])
+        assert r["resumed"]["per_tensor"] == r["per_tensor"]
+        assert r["resumed"]["steps_done"] == FREEZE + 1 and not r["resumed"]["full_reduce"]
+        assert r["resumed"]["errors"] == 0
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    section = ONEBIT if kind == "OneBitAdam" else {**ONEBIT, "type": kind}
+    case = Case(stage=0, steps=1)
+    cfg = {**config_for(case, 1), "optimizer": section, "train_micro_batch_size_per_gpu": 2 * MICRO}
+    cfg["zero_optimization"]["reduce_bucket_size"] = 1000  # other buckets than the save's
+    engine = zeroshard.initialize(make_model(case), cfg)
+    engine.load_checkpoint(str(tmp_path / "ckpt"))
+    _assert_states_equal(full_states(engine), results[0]["states"])
+    assert _per_tensor_states(engine) == results[0]["per_tensor"]
+    assert len(engine.buckets) != len(results[0]["states"][""]["step"])  # other buckets than the save's
+    assert engine.optimizer.optimizer.steps_done == FREEZE + 1
+    run_steps(engine, case, 0, 1)  # one rank trains on from the loaded state
+    assert engine.global_steps == FREEZE + 2
+    engine.close()

@@ -23,7 +23,7 @@ from zeroshard.checkpoint.exchange import agreed
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.deepspeed_reader import DeepSpeedCheckpoint, open_checkpoint
 from zeroshard.checkpoint.deepspeed_reader import resume as deepspeed_resume
-from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, SCALAR, name_table_of
+from zeroshard.checkpoint.snapshot import ELEMENTWISE, JSON, OTHER, PER_TENSOR, SCALAR, name_table_of
 from zeroshard.policies import CheckpointError
 
 log = logging.getLogger("zeroshard")
@@ -158,6 +158,8 @@ def load_optimizer(reader: CheckpointReader, ts) -> None:
                 per[name] = _scalar(reader, bucket, field, name)
             elif kind == OTHER:
                 per[name] = _same_shard(reader, bucket, field, name)
+            elif kind == PER_TENSOR:
+                per[name] = _per_tensor(reader, bucket, field, name)
             elif kind == JSON:
                 per[name] = _json_state(reader, bucket, name)
         state[index[id(master)]] = opt.spill_states(b, per)  # nvme: to the file now, one bucket in memory
@@ -207,6 +209,24 @@ def _same_shard(reader: CheckpointReader, bucket, field: str, name: str) -> torc
                               "scalar, so it loads only into the saved bucket layout (same world size, stage "
                               "and bucket sizes); or pass load_optimizer_states=False")
     return reader.shard(*where, field).clone()
+
+
+def _per_tensor(reader: CheckpointReader, bucket, field: str, name: str) -> torch.Tensor:
+    """One value per model tensor of an unsharded bucket, each taken by its tensor's name from
+    whichever saved bucket held it (its place in that bucket's slots), so it reshards."""
+    where = {slot.name: (saved, k) for saved in reader.buckets for k, slot in enumerate(saved.slots)}
+    if bucket.layout.shard_count > 1 or any(saved.shard_count > 1 for saved, _ in where.values()):
+        return _same_shard(reader, bucket, field, name)
+    saved_vectors: dict[int, torch.Tensor] = {}
+    values = []
+    for slot in bucket.slots:
+        if slot.name not in where:
+            raise CheckpointError(f"{reader.meta_path}: optimizer state {name!r} has no saved value for {slot.name}")
+        saved, k = where[slot.name]
+        if saved.index not in saved_vectors:
+            saved_vectors[saved.index] = reader.shard(saved.index, 0, field)
+        values.append(saved_vectors[saved.index][k])
+    return torch.stack(values).clone()
 
 
 def _json_state(reader: CheckpointReader, bucket, name: str) -> Any:

@@ -27,13 +27,18 @@ ELEMENTWISE = "elementwise"  # one value per element of the master: resharded el
 SCALAR = "scalar"  # a 0-dim tensor per shard (Adam's step): must agree where shards merge
 OTHER = "other"  # any other tensor: loadable only into the identical shard
 JSON = "json"  # a plain Python value: kept in the rank file's metadata
+# one value per model tensor of an unsharded bucket, in slot order (OneBitLamb's coefficients: the
+# optimizer names them in `per_tensor_states`): found again by tensor name in any bucket layout
+PER_TENSOR = "per_tensor"
 
 
-def state_kind(value: Any, master: torch.Tensor) -> str:
+def state_kind(value: Any, master: torch.Tensor, per_tensor: bool = False) -> str:
     if not torch.is_tensor(value):
         return JSON
     if value.dim() == 0:
         return SCALAR
+    if per_tensor and value.dim() == 1:
+        return PER_TENSOR
     return ELEMENTWISE if value.numel() == master.numel() else OTHER
 
 
@@ -97,9 +102,10 @@ class RankFile:
 def rank_file(ts, table: NameTable) -> RankFile:
     opt = ts.optimizer
     kinds: dict[str, str] = {}
+    per_tensor = set(getattr(opt.optimizer, "per_tensor_states", ()))
     for b, master in enumerate(opt.masters):
         for name, value in opt.state.get(master, {}).items():
-            kind = state_kind(value, master)
+            kind = state_kind(value, master, name in per_tensor)
             if kinds.setdefault(name, kind) != kind:
                 raise CheckpointError(f"optimizer state {name!r} has a different form in different shards "
                                       f"({kinds[name]} and {kind}); it cannot be checkpointed")

@@ -32,6 +32,8 @@ __all__ = ["OneBitLamb"]
 
 class OneBitLamb(OneBitBase):
     one_scale = True
+    # one value per model tensor of a bucket, in its slot order: checkpoints find them by tensor name
+    per_tensor_states = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
 
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
