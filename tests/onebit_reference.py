@@ -52,8 +52,9 @@ class SimulatedOneBitAdam:
     """1-bit Adam on N simulated workers; `step(worker_grads)` takes each worker's gradients."""
 
     def __init__(self, params, n=N, freeze_step=FREEZE, lr=ADAM["lr"], betas=tuple(ADAM["betas"]), eps=ADAM["eps"],
-                 weight_decay=ADAM["weight_decay"], error_feedback=True):
+                 weight_decay=ADAM["weight_decay"], error_feedback=True, masks=None):
         self.params, self.n, self.freeze, self.t = list(params), n, freeze_step, 0
+        self.masks = masks or [None] * len(self.params)  # DeepSpeed's exp_avg_mask, per parameter
         self.lr, self.betas, self.eps, self.wd, self.feedback = lr, betas, eps, weight_decay, error_feedback
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
@@ -78,6 +79,8 @@ class SimulatedOneBitAdam:
                     self.server_err[i] = [torch.zeros_like(e) for e in self.server_err[i]]
                 # one worker exchanges nothing (DeepSpeed's `if self.size > 1`)
                 m.copy_(one_bit_mean(local, self.worker_err[i], self.server_err[i]) if self.n > 1 else local[0])
+                if self.masks[i] is not None:  # after the exchange, as DeepSpeed's OnebitAdam
+                    m.mul_(self.masks[i])
             p.copy_(p - self.lr * (m / (v.sqrt() + self.eps) + self.wd * p))
 
 

@@ -15,7 +15,7 @@ import torch
 import zeroshard
 from distributed import one_group, run_ranks
 from onebit_reference import (
-    FREEZE, LAMB, N, ONE_BUCKET, ONEBIT, STEPS, ZO, ZO_STEPS, SimulatedOneBitAdam, SimulatedOneBitLamb,
+    ADAM, FREEZE, LAMB, N, ONE_BUCKET, ONEBIT, STEPS, ZO, ZO_STEPS, SimulatedOneBitAdam, SimulatedOneBitLamb,
     simulated_reference, zero_one_reference,
 )
 from oracle import MICRO, Case, adam_fraction_off, config_for, make_model, run_steps, sgd_close
@@ -252,3 +252,57 @@ def test_onebit_checkpoint_after_freeze_reloads_and_reshards(tmp_path, monkeypat
     run_steps(engine, case, 0, 1)  # one rank trains on from the loaded state
     assert engine.global_steps == FREEZE + 2
     engine.close()
+
+
+def _wpe_mask() -> torch.Tensor:
+    mask = torch.ones(16, 32)  # the tiny GPT's position embedding
+    mask[8:] = 0.0
+    return mask
+
+
+def _masked(rank, world_size, root):
+    """bing_bert's way: param groups with an exp_avg_mask given to deepspeed.initialize beside a
+    config OneBitAdam; the parameters after freeze_step and at the end; a checkpoint saved."""
+    import zeroshard.deepspeed as deepspeed
+
+    with one_group():
+        case = Case(stage=0, steps=STEPS)
+        model = make_model(case)
+        groups = [{"params": [model.wpe.weight], "exp_avg_mask": _wpe_mask()},
+                  {"params": [p for n, p in model.named_parameters() if n != "wpe.weight"]}]
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups,
+                                          config={**config_for(case, world_size), "optimizer": ONEBIT})
+        kept = {}
+
+        def after_step(step):
+            if step + 1 == FREEZE:
+                kept.update({k: v.float().clone() for k, v in engine.zeroshard.full_state_dict().items()})
+
+        run_steps(engine, case, rank, world_size, after_step=after_step)
+        engine.save_checkpoint(root)  # the mask is the script's: not saved, and no reason to fail
+        out = {"state": engine.zeroshard.full_state_dict(), "kept": kept}
+        engine.zeroshard.close()
+    return out
+
+
+def test_onebit_adam_applies_a_groups_exp_avg_mask_after_the_exchange(tmp_path):
+    results = run_ranks(_masked, N, str(tmp_path / "ckpt"), timeout=240)
+    params = [p for p in make_model(Case()).parameters()]
+    masks = [_wpe_mask() if p.shape == (16, 32) else None for p in params]
+    assert sum(m is not None for m in masks) == 1
+    want = simulated_reference(Case(stage=0, steps=STEPS), lambda ps: SimulatedOneBitAdam(ps, masks=masks))
+    got, kept = results[0]["state"], results[0]["kept"]
+    frac = adam_fraction_off({k: v.float() for k, v in got.items()}, want)
+    assert frac <= 0.02, f"{frac:.2%} of entries differ by > 1e-3 relative from the masked simulation (limit 2%)"
+    # masked rows: momentum 0 in every compressed step, so only the weight decay moves them
+    decay = (1.0 - ADAM["lr"] * ADAM["weight_decay"]) ** (STEPS - FREEZE)
+    torch.testing.assert_close(got["wpe.weight"][8:].float(), kept["wpe.weight"][8:] * decay, rtol=1e-6, atol=0)
+    assert not torch.allclose(got["wpe.weight"][:8].float(), kept["wpe.weight"][:8] * decay, rtol=1e-3)
+
+
+def test_exp_avg_mask_refused_where_not_built():
+    from zeroshard.optim.zeroone import ZeroOneAdam
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConfigError, match="exp_avg_mask is not served by zeroshard for this optimizer"):
+        ZeroOneAdam([{"params": [p], "exp_avg_mask": torch.ones(3)}])

@@ -141,8 +141,9 @@ def _meta(ts, tag: str, table, part, records: list[dict[str, Any]], client) -> d
         raise CheckpointError(f"bucket shards written {written} differ from the layout's {expected}: "
                               "a shard would be missing from the checkpoint")
     opt = ts.optimizer.optimizer
-    groups = [json_safe({k: v for k, v in g.items() if k not in ("params", "param_names")},
-                        "optimizer param_groups") for g in opt.param_groups]
+    unsaved = ("params", "param_names", *getattr(opt, "unsaved_group_keys", ()))  # 1-bit's exp_avg_mask
+    groups = [json_safe({k: v for k, v in g.items() if k not in unsaved}, "optimizer param_groups")
+              for g in opt.param_groups]
     sched = ts.lr_scheduler
     return {
         "format": FORMAT, "version": VERSION, "tag": tag, "created": time.time(),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.policies import ONEBIT_SHARDED
+from zeroshard.policies import ONEBIT_SHARDED, ConfigError
 
 __all__ = ["OneBitAdam", "OneBitBase"]
 
@@ -38,9 +38,19 @@ class OneBitBase(torch.optim.Optimizer):
 
     sharded_refusal = ONEBIT_SHARDED
     one_scale = False  # one 1-bit scale per flat parameter, not per tensor (1-bit Lamb)
+    # a param group's `exp_avg_mask` (DeepSpeed's: the momentum, once exchanged 1-bit, is
+    # multiplied by it, so elements whose momentum is always 0, such as BERT's unused position
+    # rows, do not take the +-scale the sign code gives every element). It comes from the script
+    # each run and is not saved in checkpoints (as in DeepSpeed, the current group's mask wins).
+    unsaved_group_keys = ("exp_avg_mask",)
+    masks_momentum = True
 
     def __init__(self, params, defaults: dict) -> None:
         super().__init__(params, defaults)
+        if not self.masks_momentum and any("exp_avg_mask" in g for g in self.param_groups):
+            raise ConfigError(f"{type(self).__name__}: a param group's exp_avg_mask is not served by zeroshard for "
+                              "this optimizer (OneBitAdam and OneBitLamb apply it); remove it")
+        self._flat_masks: dict[int, torch.Tensor] = {}
         self._tensors: dict[int, list[tuple[int, int]]] = {}
         self._comm = None
         self._allreduce: dict[int, object] = {}
@@ -50,6 +60,23 @@ class OneBitBase(torch.optim.Optimizer):
         """`param` (a flat bucket) holds one model tensor at each (start, length) of `spans`;
         elements outside them (padding) take no part in the exchange."""
         self._tensors[id(param)] = list(spans)
+
+    def mask_momentum(self, p: torch.Tensor, group: dict, m: torch.Tensor) -> None:
+        """m *= the group's exp_avg_mask, laid out over `p`'s tensors (each tensor takes the
+        mask in its own shape; a flat bucket of several tensors takes it once per tensor)."""
+        mask = group.get("exp_avg_mask")
+        if mask is None:
+            return
+        flat = self._flat_masks.get(id(p))
+        if flat is None:
+            flat = torch.ones(p.numel(), dtype=m.dtype, device=m.device)
+            for a, n in self.spans(p):
+                if mask.numel() != n:
+                    raise ConfigError(f"exp_avg_mask has {mask.numel()} elements but a parameter of its group has "
+                                      f"{n}: give each masked parameter a group of its own, with a mask of its shape")
+                flat[a:a + n] = mask.reshape(-1).to(flat)
+            self._flat_masks[id(p)] = flat
+        m.view(-1).mul_(flat)
 
     def connect(self, comm) -> None:
         """The group whose ranks exchange compressed values (the stage's world group)."""
@@ -147,6 +174,7 @@ class OneBitAdam(OneBitBase):
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         if compressed:
             self.onebit_mean(p, m)  # g was this rank's own: the exchange of m is the only reduction
+            self.mask_momentum(p, group, m)
         else:
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         denom = (v + group["eps"]).sqrt_() if group["eps_inside_sqrt"] else v.sqrt().add_(group["eps"])

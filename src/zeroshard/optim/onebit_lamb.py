@@ -111,6 +111,7 @@ class OneBitLamb(OneBitBase):
         m.mul_(b1).add_(g, alpha=1.0 - b1).mul_(scale)
         self.onebit_mean(p, m)
         m.div_(scale)
+        self.mask_momentum(p, group, m)
         rebuilt = (m - last * b1) / (1.0 - b1)
         fresh.mul_(b2).addcmul_(rebuilt, rebuilt, value=1.0 - b2)
         denom = sqrt(v)

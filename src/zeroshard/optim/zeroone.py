@@ -31,6 +31,7 @@ __all__ = ["ZeroOneAdam"]
 
 
 class ZeroOneAdam(OneBitBase):
+    masks_momentum = False  # an exp_avg_mask group is refused: not built for 0/1 Adam's local steps
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  var_freeze_step: int = 100000, var_update_scaler: int = 16, local_step_scaler: int = 32678,
