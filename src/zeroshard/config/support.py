@@ -117,10 +117,6 @@ GAPS: tuple[Gap, ...] = (
         "false (DeepCompile's graph passes are DeepSpeed's; engine.compile() compiles each unit in place)"),
     Gap("compile.autoep_non_moe", lambda c: _when(bool(c.compile and c.compile.autoep_non_moe)),
         "false (zeroshard has no AutoEP layers; engine.compile() compiles each unit in place)"),
-    Gap("optimizer.type", lambda c: _when(bool(c.optimizer and c.optimizer.type.lower() == "lamb"), c.optimizer
-                                          and c.optimizer.type),
-        "Adam, AdamW or Lion (Lamb's trust ratio needs whole tensors: ZeRO stage 0; DeepSpeed refuses Lamb at "
-        "stages 1-3 too)", ZERO_STAGES),
     Gap("optimizer.type", lambda c: _unbuilt(c.optimizer, BUILT_OPTIMIZERS, str.lower),
         "one of " + ", ".join(BUILT_OPTIMIZERS)),
     Gap("scheduler.type", lambda c: _unbuilt(c.scheduler, BUILT_SCHEDULERS), "one of " + ", ".join(BUILT_SCHEDULERS)),

@@ -343,10 +343,27 @@ def _tell_tensors(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
     split = getattr(optimizer, "split_into_tensors", None)
     if split is None:
         return
-    if any(b.layout.shard_count > 1 for b in buckets):
+    shards = getattr(optimizer, "place_shards", None)  # Lamb: per-tensor norms summed over the ranks
+    if any(b.layout.shard_count > 1 for b in buckets) and (shards is None or comm is None):
         raise ConfigError(getattr(optimizer, "sharded_refusal", LAMB_SHARDED))
     for master, bucket in zip(masters, buckets):
-        split(master, [(slot.offset, slot.numel) for slot in bucket.layout.slots])
+        lay = bucket.layout
+        if lay.shard_count == 1:
+            split(master, [(slot.offset, slot.numel) for slot in lay.slots])
+            continue
+        lo = bucket.shard_range[0]
+        pieces = [(a - lo, b - a, k) for k, slot in enumerate(lay.slots)
+                  if (part := lay.slot_in_shard(slot, bucket.shard_index)) is not None for a, b in [part]]
+        shards(master, pieces, len(lay.slots), _summer(comm, bucket))
+
+
+def _summer(comm: Any, bucket: FlatBucket) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A small fp32 vector summed over the ranks sharing `bucket`, on the collective's device."""
+    def total(x: torch.Tensor) -> torch.Tensor:
+        on = x.to(bucket.device)
+        comm.all_reduce(on, what=f"Lamb norms of {bucket.label}").wait()
+        return on.to(x.device)
+    return total
 
 
 def _gatherer(comm: Any, bucket: FlatBucket) -> Callable[[torch.Tensor], torch.Tensor]:
