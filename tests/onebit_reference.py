@@ -112,8 +112,9 @@ class SimulatedZeroOneAdam:
 
     def __init__(self, workers, n=N, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1,
                  local_step_clipper=2, lr=ADAM["lr"], betas=tuple(ADAM["betas"]), eps=ZO_EPS,
-                 weight_decay=ADAM["weight_decay"]):
+                 weight_decay=ADAM["weight_decay"], masks=None):
         self.p = workers  # [worker][tensor]
+        self.masks = masks or [None] * len(workers[0])  # DeepSpeed's exp_avg_mask, per tensor
         self.n, self.t, self.interval, self.count, self.frozen_steps = n, 0, 1, 0, 0
         self.vfs, self.vus, self.lss, self.lsc = var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
@@ -128,6 +129,9 @@ class SimulatedZeroOneAdam:
         pad = [math.ceil(p.numel() / (8 * self.n)) * 8 * self.n for p in self.p[0]]
         self.we = [[torch.zeros(k) for _ in range(self.n)] for k in pad]
         self.se = [[torch.zeros(k // self.n) for _ in range(self.n)] for k in pad]
+
+    def _mask(self, i):
+        return 1.0 if self.masks[i] is None else self.masks[i]
 
     @torch.no_grad()
     def step(self, worker_grads):
@@ -144,7 +148,7 @@ class SimulatedZeroOneAdam:
                 v.copy_(b2 * v + (1 - b2) * g * g)
                 grads = [g] * n
             elif not frozen:
-                grads = [one_bit_mean(grads, self.we[i], self.se[i])] * n
+                grads = [one_bit_mean(grads, self.we[i], self.se[i]) * self._mask(i)] * n
             den = v.sqrt() + self.eps
             for r in range(n):
                 m, p = self.m[r][i], self.p[r][i]
@@ -157,7 +161,7 @@ class SimulatedZeroOneAdam:
                 lrs = self.lrs[0] + lr
                 for r in range(n):
                     self.p[r][i].copy_(self.p[r][i] - self.u[r][i])
-                mean = one_bit_mean([self.u[r][i] * den for r in range(n)], self.we[i], self.se[i])
+                mean = one_bit_mean([self.u[r][i] * den for r in range(n)], self.we[i], self.se[i]) * self._mask(i)
                 for r in range(n):
                     self.m[r][i].copy_(-mean / lrs)
                     self.p[r][i].copy_(self.p[r][i] + mean / den)
@@ -174,12 +178,12 @@ class SimulatedZeroOneAdam:
                 self.interval, self.count = self.interval * 2, 0
 
 
-def zero_one_reference(steps: int) -> list[dict[str, torch.Tensor]]:
+def zero_one_reference(steps: int, masks=None) -> list[dict[str, torch.Tensor]]:
     """Each worker's model after `steps` steps of the simulation."""
     case = Case(stage=0, steps=steps)
     models = [make_model(case) for _ in range(N)]
     params = [[p for p in model.parameters() if p.requires_grad] for model in models]
-    opt = SimulatedZeroOneAdam(params)
+    opt = SimulatedZeroOneAdam(params, masks=masks)
     for step in range(steps):
         x, y = batch(case, step, N)
         grads = []

@@ -260,18 +260,18 @@ def _wpe_mask() -> torch.Tensor:
     return mask
 
 
-def _masked(rank, world_size, root):
+def _masked(rank, world_size, root, section=ONEBIT, steps=STEPS):
     """bing_bert's way: param groups with an exp_avg_mask given to deepspeed.initialize beside a
     config OneBitAdam; the parameters after freeze_step and at the end; a checkpoint saved."""
     import zeroshard.deepspeed as deepspeed
 
     with one_group():
-        case = Case(stage=0, steps=STEPS)
+        case = Case(stage=0, steps=steps)
         model = make_model(case)
         groups = [{"params": [model.wpe.weight], "exp_avg_mask": _wpe_mask()},
                   {"params": [p for n, p in model.named_parameters() if n != "wpe.weight"]}]
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups,
-                                          config={**config_for(case, world_size), "optimizer": ONEBIT})
+                                          config={**config_for(case, world_size), "optimizer": section})
         kept = {}
 
         def after_step(step):
@@ -281,6 +281,11 @@ def _masked(rank, world_size, root):
         run_steps(engine, case, rank, world_size, after_step=after_step)
         engine.save_checkpoint(root)  # the mask is the script's: not saved, and no reason to fail
         out = {"state": engine.zeroshard.full_state_dict(), "kept": kept}
+        opt = engine.zeroshard.optimizer
+        for bucket, master in zip(engine.zeroshard.buckets, opt.masters):
+            for slot in bucket.slots:
+                if slot.name == "wpe.weight":
+                    out["wpe_m"] = opt.state[master]["exp_avg"][slot.offset:slot.end].view(slot.shape).clone()
         engine.zeroshard.close()
     return out
 
@@ -300,9 +305,21 @@ def test_onebit_adam_applies_a_groups_exp_avg_mask_after_the_exchange(tmp_path):
     assert not torch.allclose(got["wpe.weight"][:8].float(), kept["wpe.weight"][:8] * decay, rtol=1e-3)
 
 
-def test_exp_avg_mask_refused_where_not_built():
-    from zeroshard.optim.zeroone import ZeroOneAdam
+def test_zero_one_adam_masks_what_it_exchanges(tmp_path):
+    """0/1 Adam as DeepSpeed: the 1-bit gradient and the synchronised update are masked."""
+    results = run_ranks(_masked, N, str(tmp_path / "ckpt"), ZO, ZO_STEPS, timeout=240)
+    params = list(make_model(Case()).parameters())
+    masks = [_wpe_mask() if p.shape == (16, 32) else None for p in params]
+    want = zero_one_reference(ZO_STEPS, masks=masks)
+    plain = zero_one_reference(ZO_STEPS)
+    assert adam_fraction_off(plain[0], want[0]) > 0.02  # the mask matters at this bound
+    for r in range(N):
+        frac = adam_fraction_off({k: v.float() for k, v in results[r]["state"].items()}, want[r])
+        assert frac <= 0.02, f"rank {r}: {frac:.2%} of entries differ by > 1e-3 relative from the masked simulation"
 
-    p = torch.nn.Parameter(torch.zeros(3))
-    with pytest.raises(ConfigError, match="exp_avg_mask is not served by zeroshard for this optimizer"):
-        ZeroOneAdam([{"params": [p], "exp_avg_mask": torch.ones(3)}])
+
+def test_onebit_lamb_masks_the_exchanged_momentum(tmp_path):
+    """OneBitLamb as DeepSpeed: after each compressed exchange the group's mask zeroes the
+    momentum of the masked rows (the others keep theirs)."""
+    (r, _) = run_ranks(_masked, N, str(tmp_path / "ckpt"), LAMB, FREEZE + 1, timeout=240)
+    assert torch.count_nonzero(r["wpe_m"][8:]) == 0 and torch.count_nonzero(r["wpe_m"][:8]) > 0

@@ -42,14 +42,11 @@ class OneBitBase(torch.optim.Optimizer):
     # multiplied by it, so elements whose momentum is always 0, such as BERT's unused position
     # rows, do not take the +-scale the sign code gives every element). It comes from the script
     # each run and is not saved in checkpoints (as in DeepSpeed, the current group's mask wins).
+    # 0/1 Adam masks what it exchanges: the 1-bit gradient and the synchronised accumulated update.
     unsaved_group_keys = ("exp_avg_mask",)
-    masks_momentum = True
 
     def __init__(self, params, defaults: dict) -> None:
         super().__init__(params, defaults)
-        if not self.masks_momentum and any("exp_avg_mask" in g for g in self.param_groups):
-            raise ConfigError(f"{type(self).__name__}: a param group's exp_avg_mask is not served by zeroshard for "
-                              "this optimizer (OneBitAdam and OneBitLamb apply it); remove it")
         self._flat_masks: dict[int, torch.Tensor] = {}
         self._tensors: dict[int, list[tuple[int, int]]] = {}
         self._comm = None

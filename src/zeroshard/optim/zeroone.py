@@ -31,7 +31,6 @@ __all__ = ["ZeroOneAdam"]
 
 
 class ZeroOneAdam(OneBitBase):
-    masks_momentum = False  # an exp_avg_mask group is refused: not built for 0/1 Adam's local steps
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  var_freeze_step: int = 100000, var_update_scaler: int = 16, local_step_scaler: int = 32678,
@@ -115,6 +114,7 @@ class ZeroOneAdam(OneBitBase):
         else:
             g = g.clone()
             self.onebit_mean(p, g)
+            self.mask_momentum(p, group, g)  # DeepSpeed masks the 1-bit gradient here
             m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         denom = (v + eps).sqrt_() if group["eps_inside_sqrt"] else v.sqrt().add_(eps)
         update = m / denom
@@ -128,6 +128,7 @@ class ZeroOneAdam(OneBitBase):
             p.sub_(u)
             u.mul_(denom)
             self.onebit_mean(p, u)
+            self.mask_momentum(p, group, u)  # and the exchanged accumulated update
             torch.div(u, -state["lrs"], out=m)
             p.add_(u / denom)
             u.zero_()
