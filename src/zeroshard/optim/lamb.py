@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from zeroshard.optim.per_tensor import PerTensorOptimizer
+
 __all__ = ["LAMB_SHARDED", "Lamb"]
 
 LAMB_SHARDED = ("this optimizer needs each parameter's whole tensor, which ZeRO stages 1-3 split across ranks; "
@@ -37,7 +39,9 @@ LAMB_SHARDED = ("this optimizer needs each parameter's whole tensor, which ZeRO 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(PerTensorOptimizer):
+    algorithm = "Lamb"
+
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, amsgrad: bool = False) -> None:
@@ -73,21 +77,6 @@ class Lamb(torch.optim.Optimizer):
         """A sharded bucket's step all-reduces its norms: every rank steps the same sub-groups in
         the same order, after backward."""
         return bool(self._pieces)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
-                self._step_param(p, group)
-        return loss
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]

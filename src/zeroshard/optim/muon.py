@@ -40,6 +40,8 @@ from typing import Callable
 
 import torch
 
+from zeroshard.optim.per_tensor import PerTensorOptimizer
+
 __all__ = ["Muon", "newton_schulz", "orthogonal_update"]
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -79,7 +81,9 @@ def orthogonal_update(u: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return (newton_schulz(m) * scale).reshape(-1)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(PerTensorOptimizer):
+    algorithm = "Muon"
+
     """Muon with an auxiliary AdamW, over param groups that each carry `use_muon` (see the
     module docstring); DeepSpeed's per-half defaults fill what a group leaves out."""
 
@@ -111,20 +115,8 @@ class Muon(torch.optim.Optimizer):
         the same sub-groups in the same order, after backward."""
         return any(gather is not None for *_, gather in self._placed.values())
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Muon does not support sparse gradients")
-                (self._muon_step if group["use_muon"] else self._adam_step)(p, group)
-        return loss
+    def _step_param(self, p: torch.Tensor, group: dict) -> None:
+        (self._muon_step if group["use_muon"] else self._adam_step)(p, group)
 
     def _muon_step(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard.optim.per_tensor import PerTensorOptimizer
 from zeroshard.policies import ONEBIT_SHARDED, ConfigError
 
 __all__ = ["OneBitAdam", "OneBitBase"]
 
 
-class OneBitBase(torch.optim.Optimizer):
+class OneBitBase(PerTensorOptimizer):
     """What the family shares: the tensors of each flat parameter, the process group, the
     compressed all-reduce per parameter, and the question the stage asks before each step."""
 
@@ -128,6 +129,8 @@ class OneBitBase(torch.optim.Optimizer):
 
 
 class OneBitAdam(OneBitBase):
+    algorithm = "1-bit Adam"
+
     def __init__(self, params, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  amsgrad: bool = False) -> None:
@@ -144,21 +147,6 @@ class OneBitAdam(OneBitBase):
 
     def reduces_gradients(self) -> bool:
         return self.steps_done < self.freeze_step
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("1-bit Adam does not support sparse gradients")
-                self._step_param(p, group)
-        return loss
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]

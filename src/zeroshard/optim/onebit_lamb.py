@@ -31,6 +31,7 @@ __all__ = ["OneBitLamb"]
 
 
 class OneBitLamb(OneBitBase):
+    algorithm = "1-bit Lamb"
     one_scale = True
     # one value per model tensor of a bucket, in its slot order: checkpoints find them by tensor name
     per_tensor_states = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
@@ -56,21 +57,6 @@ class OneBitLamb(OneBitBase):
 
     def reduces_gradients(self) -> bool:
         return self.steps_done < self.freeze_step
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("1-bit Lamb does not support sparse gradients")
-                self._step_param(p, group)
-        return loss
 
     def _momentum_scales(self) -> None:
         """s_k for every tensor of every parameter, from the momenta as they are now."""

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard.optim.per_tensor import PerTensorOptimizer
+
 __all__ = ["UncorrectedAdam"]
 
 
-class UncorrectedAdam(torch.optim.Optimizer):
+class UncorrectedAdam(PerTensorOptimizer):
+    algorithm = "Adam"
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adam_w_mode: bool = True) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
@@ -30,29 +34,19 @@ class UncorrectedAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       adam_w_mode=adam_w_mode))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in (p for p in group["params"] if p.grad is not None):
-                if p.grad.is_sparse:
-                    raise RuntimeError("Adam does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
-                if wd and not group["adam_w_mode"]:
-                    g = g.add(p, alpha=wd)
-                m.mul_(beta1).add_(g, alpha=1.0 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                if wd and group["adam_w_mode"]:
-                    p.mul_(1.0 - lr * wd)
-                p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
-        return loss
+    def _step_param(self, p: torch.Tensor, group: dict) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
+        if wd and not group["adam_w_mode"]:
+            g = g.add(p, alpha=wd)
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        if wd and group["adam_w_mode"]:
+            p.mul_(1.0 - lr * wd)
+        p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)

@@ -31,6 +31,8 @@ __all__ = ["ZeroOneAdam"]
 
 
 class ZeroOneAdam(OneBitBase):
+    algorithm = "0/1 Adam"
+
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
                  var_freeze_step: int = 100000, var_update_scaler: int = 16, local_step_scaler: int = 32678,
@@ -75,21 +77,6 @@ class ZeroOneAdam(OneBitBase):
     def reduces_gradients(self) -> bool:
         t = self.steps_done + 1
         return t <= self.var_freeze_step and t % self.var_interval(t) == 0
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("0/1 Adam does not support sparse gradients")
-                self._step_param(p, group)
-        return loss
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
