@@ -13,6 +13,8 @@ import importlib.metadata
 import importlib.util
 import os
 
+from zeroshard.shadow_path import SERVED_VERSION, SHADOW_DIR, with_shadow_path
+
 __all__ = ["add_arguments", "shadow_env"]
 
 
@@ -24,8 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def shadow_env(args: argparse.Namespace, env: dict[str, str] | None = None) -> tuple[str | None, dict[str, str], str]:
     """(problem, environment to add for the ranks, the start-up line)."""
-    from zeroshard.deepspeed.shadow import SERVED_VERSION, SHADOW_DIR, with_shadow_path
-
     env = dict(os.environ if env is None else env)
     if getattr(args, "real_deepspeed", False):
         inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SHADOW_DIR]

@@ -48,6 +48,7 @@ import socket
 import sys
 
 from zeroshard.cli import deepspeed_shadow, multinode
+from zeroshard.cli.devices import cuda_device_count
 from zeroshard.cli.hostfile import HostfileError, active_resources, parse_hostfile
 from zeroshard.cli.launch_config import config_problem
 
@@ -197,13 +198,12 @@ def apply_deepspeed_flags(args: argparse.Namespace, device_count: int) -> tuple[
 
 def check_nproc(nproc: int) -> str | None:
     """Why `nproc` ranks cannot run well on this machine for its backend, or None."""
-    import torch
-
     if nproc < 1:
         return f"--nproc must be at least 1, got {nproc}"
-    if torch.cuda.is_available():
-        if nproc > torch.cuda.device_count():
-            return (f"--nproc {nproc} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+    devices = cuda_device_count()
+    if devices:
+        if nproc > devices:
+            return (f"--nproc {nproc} but this machine has {devices} CUDA device(s); "
                     "NCCL needs one device per rank")
     elif nproc > 4 * (os.cpu_count() or 1):
         return (f"--nproc {nproc} is more than 4 ranks per CPU core ({os.cpu_count()} cores): "
@@ -365,13 +365,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"zeroshard launch: {problem}", file=sys.stderr)
         return 2
-    import torch
-
     if args.hostfile or args.launcher:
         status = run_multinode(args)
         if status is not None:
             return status
-    problem, extra_env = apply_deepspeed_flags(args, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    problem, extra_env = apply_deepspeed_flags(args, cuda_device_count())
     args.nproc = 2 if args.nproc is None else args.nproc
     problem = problem or check_nproc(args.nproc) or check_rendezvous(args)
     if not problem and not args.module and not os.path.isfile(args.script):

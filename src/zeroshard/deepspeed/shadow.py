@@ -28,10 +28,10 @@ import os
 import runpy
 import sys
 
+from zeroshard.shadow_path import SERVED_VERSION, SHADOW_DIR, with_shadow_path
+
 __all__ = ["SERVED_VERSION", "SHADOW_DIR", "main", "serve", "with_shadow_path"]
 
-SERVED_VERSION = "0.19.8+zeroshard"  # the DeepSpeed release whose API is served (its dist-info says so)
-SHADOW_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shadow")
 _PREFIX = "deepspeed"
 _TARGET = "zeroshard.deepspeed"
 
@@ -81,13 +81,6 @@ def serve() -> None:
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _AliasFinder())
     sys.modules[_PREFIX] = importlib.import_module(_TARGET)
-
-
-def with_shadow_path(env: dict[str, str]) -> dict[str, str]:
-    """`env` with SHADOW_DIR first on PYTHONPATH."""
-    rest = env.get("PYTHONPATH", "")
-    parts = [SHADOW_DIR] + [p for p in rest.split(os.pathsep) if p and p != SHADOW_DIR]
-    return {**env, "PYTHONPATH": os.pathsep.join(parts)}
 
 
 def main(argv: list[str] | None = None) -> int:

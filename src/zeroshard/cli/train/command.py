@@ -59,7 +59,7 @@ def check_train_args(args: argparse.Namespace) -> str | None:
 
 
 def _check_config(args: argparse.Namespace) -> str | None:
-    from zeroshard.cli.train.config import build_config
+    from zeroshard.cli.train.config import build_config, wrote_optimizer
     from zeroshard.cli.train.prelaunch import check_settings
     from zeroshard.config import load_config
     from zeroshard.policies import ZeroShardError
@@ -68,7 +68,8 @@ def _check_config(args: argparse.Namespace) -> str | None:
         settings = load_config(build_config(args, ["Block"]), args.nproc * args.nnodes)
     except ZeroShardError as exc:
         return str(exc)
-    return check_settings(settings, args.model, args.seq_len, args.nproc, args.nproc * args.nnodes)
+    return check_settings(settings, args.model, args.seq_len, args.nproc, args.nproc * args.nnodes,
+                          user_optimizer=wrote_optimizer(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,6 +56,12 @@ def filled_from_default(args: argparse.Namespace) -> list[str]:
             "section to choose another)"]
 
 
+def wrote_optimizer(args: argparse.Namespace) -> bool:
+    """True when the optimizer section is the user's (a --config with `optimizer`), False when it
+    is the embedded config's."""
+    return bool(args.config) and "optimizer" in read_json(args.config)
+
+
 def build_config(args: argparse.Namespace, unit_classes: list[str]) -> dict[str, Any]:
     """The config the engine gets: --config (or the default) with --stage, --micro-batch and
     --bf16 applied. A --config without `optimizer` takes the embedded optimizer and, when it

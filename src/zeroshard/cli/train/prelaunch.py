@@ -4,7 +4,9 @@ Each check returns one line naming the problem and the fix, or None; the launche
 and exits 2. The ranks check the same things again (a user's own torchrun skips this
 file), so these checks only move errors earlier, never change what is accepted:
 
-- the optimizer's hyper-parameters, by building it over one element (torch's own checks);
+- the optimizer's hyper-parameters, by building it over one element (torch's own checks), when
+  the user wrote them (the embedded config's are known to build; building a torch optimizer
+  imports torch._dynamo, about 1.5 s of the launcher's start);
 - NVMe paths: a directory this user can write, on a real filesystem, with room for what the
   local ranks will write there (a lower bound: the model's transformer weights, 12 L h^2 + V h
   elements, without biases, norms or positions, 4 bytes each of fp32 master on the optimizer's
@@ -21,8 +23,9 @@ from zeroshard.policies import ZeroShardError
 __all__ = ["check_settings", "available_memory"]
 
 
-def check_settings(settings, spec: str, seq_len: int, local_ranks: int, world_size: int | None = None) -> str | None:
-    return (_check_optimizer(settings) or _check_nvme(settings)
+def check_settings(settings, spec: str, seq_len: int, local_ranks: int, world_size: int | None = None,
+                   user_optimizer: bool = True) -> str | None:
+    return ((_check_optimizer(settings) if user_optimizer else None) or _check_nvme(settings)
             or _check_nvme_space(settings, spec, local_ranks, world_size or local_ranks)
             or _check_batch_memory(settings, spec, seq_len, local_ranks))
 
