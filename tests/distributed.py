@@ -22,12 +22,19 @@ from zeroshard.bench.ranks import free_port, from_wire, rank_entry, to_wire
 # run). ZEROSHARD_TEST_RANK_START=spawn gives every rank a fresh interpreter, as the benchmarks do.
 # A rank sees the caller's os.environ of the moment; what a process reads only at its start
 # (glibc's MALLOC_* variables, torch's import-time settings) needs start="spawn".
-run_ranks = functools.partial(ranks.run_ranks, start=os.environ.get("ZEROSHARD_TEST_RANK_START", "forkserver"))
+START = os.environ.get("ZEROSHARD_TEST_RANK_START", "forkserver")
+run_ranks = functools.partial(ranks.run_ranks, start=START)
+
+
+def rank_context():
+    """The multiprocessing context run_ranks starts the suite's ranks with, for tests that start
+    ranks themselves (their rank_entry gets `parent_env=dict(os.environ)`)."""
+    return ranks.start_context(START)
 
 # the names tests that start ranks themselves use (test_dead_ranks)
 _entry, _from_wire, _to_wire = rank_entry, from_wire, to_wire
 
-__all__ = ["free_port", "one_group", "run_ranks"]
+__all__ = ["free_port", "one_group", "rank_context", "run_ranks"]
 
 
 @contextlib.contextmanager

@@ -4,12 +4,12 @@ within `comm_timeout_s`, naming the collective, the bucket or unit and the step,
 30-minute default: zeroshard's collectives run on a group of their own with comm_timeout_s).
 No process is left behind.
 
-A stuck peer sleeps STUCK_S before it fails: the default run has it at stage 3, its stage-1 and
-stage-2 forms are marked `slow` (`python -m pytest -m slow`); the killed peer runs at every stage."""
+A stuck peer waits up to STUCK_S (until the survivor has reported) before it goes on and fails:
+the default run has it at stage 3, its stage-1 and stage-2 forms are marked `slow`
+(`python -m pytest -m slow`); the killed peer runs at every stage."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,14 +18,14 @@ from queue import Empty
 import pytest
 import torch
 
-from distributed import _entry, _from_wire, free_port
+from distributed import _entry, _from_wire, free_port, rank_context
 from oracle import Case, config_for, make_model
 
 TIMEOUT_S = 4
 STUCK_S = 12
 
 
-def _worker(rank, world, stage, mode):
+def _worker(rank, world, stage, mode, reported):
     import torch.distributed as dist
 
     import zeroshard
@@ -42,7 +42,7 @@ def _worker(rank, world, stage, mode):
     if rank == 1:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(STUCK_S)  # stuck in its data loader / forward
+        reported.wait(STUCK_S)  # stuck in its data loader / forward until the survivor has reported
     started = time.perf_counter()
     try:
         engine.backward(engine(x, x)[1])
@@ -53,10 +53,10 @@ def _worker(rank, world, stage, mode):
 
 
 def _run(stage, mode):
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_entry, args=(_worker, r, 2, port, (stage, mode), queue, {}), daemon=True)
-             for r in range(2)]
+    ctx = rank_context()
+    queue, port, reported = ctx.Queue(), free_port(), ctx.Event()
+    procs = [ctx.Process(target=_entry, args=(_worker, r, 2, port, (stage, mode, reported), queue, {}, dict(os.environ)),
+                         daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     got = {}
@@ -68,6 +68,7 @@ def _run(stage, mode):
             except Empty:
                 continue
             got[rank] = _from_wire(value) if ok else {"message": value, "seconds": None}
+        reported.set()
         for p in procs:  # every process ends by itself (the stuck one fails once it wakes)
             p.join(timeout=STUCK_S + 30)
         left = [p.pid for p in procs if p.is_alive()]

@@ -23,7 +23,7 @@ FAILED_PEER_GRACE_S = 30.0  # after a rank fails, how long the others may take t
 # what a forkserver imports once for all the ranks it forks (torch's import is most of a rank's start)
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "zeroshard.api.initialize"]
 
-__all__ = ["free_port", "from_wire", "rank_entry", "run_ranks", "to_wire"]
+__all__ = ["free_port", "from_wire", "rank_entry", "run_ranks", "start_context", "to_wire"]
 
 
 def free_port() -> int:
@@ -86,7 +86,7 @@ def rank_entry(fn, rank, world_size, port, args, queue, env, parent_env=None) ->
             dist.destroy_process_group()
 
 
-def _context(start: str):
+def start_context(start: str):
     """`spawn`: a fresh interpreter per rank (what the benchmarks use: nothing inherited).
     `forkserver`: ranks forked from one server process that imported torch and zeroshard once,
     ~0.5 s per rank instead of the seconds a fresh `import torch` takes (the test suite)."""
@@ -105,9 +105,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
 
     With `allow_failures`, a rank's exception text is returned in place of its result (every
     rank gets `timeout`); without, the others get `grace` seconds after the first failure.
-    `start`: how ranks start (`_context`); either way each rank sees the caller's environment
+    `start`: how ranks start (`start_context`); either way each rank sees the caller's environment
     of the moment, plus `env`."""
-    ctx = _context(start)
+    ctx = start_context(start)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_entry, args=(fn, r, world_size, port, args, queue, env or {}, dict(os.environ)),
