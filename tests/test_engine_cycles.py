@@ -2,13 +2,15 @@
 neither races nor leaks (issue 46): 20 cycles of initialize -> one step -> close on 2 ranks,
 with the default process group made and destroyed by each engine, and with a group the
 caller owns (which close() must leave alone). Open file descriptors and OS threads stay
-constant after the first cycles; resident memory grows by less than 16 MiB over the last 15.
+constant after the first cycles (within 2: under load, as with two tests at once, one rank's count
+was seen to flap by 1 or 2 without growing); resident memory grows by less than 16 MiB over the last 15.
 (Measured here: constant fds and threads, +5 MiB RSS over 20 cycles. Before Engine.close()
 collected its reference cycles, the caller-owned case grew to 5 live groups: +45 fds, +27 threads.)"""
 
 from __future__ import annotations
 
 import os
+from statistics import median
 
 import pytest
 
@@ -51,5 +53,6 @@ def test_twenty_engines_in_one_process_leave_nothing_behind(own_group, stage):
     for seen in run_ranks(_cycles, 2, own_group, stage, timeout=600):
         assert all(s[0] == own_group for s in seen)  # close() destroys only the group it made
         fds, threads = [s[1] for s in seen[2:]], [s[2] for s in seen[2:]]
-        assert len(set(fds)) == 1 and len(set(threads)) == 1, (fds, threads)
+        for counts in (fds, threads):  # no growth; a flap of one or two (seen only under load) allowed
+            assert max(counts) - min(counts) <= 2 and median(counts[-5:]) <= median(counts[:5]), (fds, threads)
         assert seen[-1][3] - seen[4][3] < 16 * 1024, [s[3] for s in seen]
