@@ -66,3 +66,28 @@ def test_train_probes_the_optimizer_only_when_the_user_wrote_it(tmp_path):
     code, imported, err = _launcher(tmp_path, ["train", "--config", str(config), *tail], ["torch._dynamo"])
     assert code == 2 and "no_such.txt: no such file" in err, err
     assert imported == {"torch._dynamo": True}  # the user's optimizer is built over one element
+
+
+def _recorded_from_here(name_of):
+    return _record(name_of)
+
+
+def _record(name_of):  # as torch's rendezvous handler's _record asks for its caller's name
+    return name_of()
+
+
+def test_torchrun_names_rendezvous_events_as_torch_does_without_reading_stacks(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from zeroshard.cli import torchrun_main
+
+    torchs = dynamic_rendezvous.get_method_name
+    assert _recorded_from_here(torchs) == _recorded_from_here(torchrun_main._method_name) == "_recorded_from_here"
+    assert torchs(depth=10_000) == torchrun_main._method_name(depth=10_000) == "no_method_name"
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torchs)
+    torchrun_main._cheap_rendezvous_names()
+    assert dynamic_rendezvous.get_method_name is torchrun_main._method_name
+    other = lambda depth=3: "x"  # noqa: E731  a helper of another shape: torch's is kept
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", other)
+    torchrun_main._cheap_rendezvous_names()
+    assert dynamic_rendezvous.get_method_name is other
