@@ -64,7 +64,11 @@ def build(system: str, tm, micro_batch: int, zero_extra: dict):
     """(forward(x, y) -> loss, backward, step, wait clock or None) for `system`: zeroshard bench's."""
     if system == "ddp":
         runner = peers.build_peer(SYSTEMS["ddp"], tm.module, tm.unit_classes, micro_batch, False, torch.device("cpu"))
-        return lambda x, y: runner.wrapper(x, y)[1], lambda loss: loss.backward(), runner.optimizer_step, None
+        def step():  # as PeerRunner.step: the update, then the gradients freed
+            runner.optimizer.step()
+            runner.optimizer.zero_grad(set_to_none=True)
+
+        return lambda x, y: runner.wrapper(x, y)[1], lambda loss: loss.backward(), step, None
     import zeroshard
 
     cfg = bench_config(SYSTEMS[system], micro_batch, False, tm.unit_classes, "")
