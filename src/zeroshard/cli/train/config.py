@@ -39,13 +39,17 @@ def default_config(steps: int, micro_batch: int, unit_classes: list[str]) -> dic
     }
 
 
+def wrote_optimizer(args: argparse.Namespace) -> bool:
+    """True when the optimizer section is the user's (a --config with `optimizer`), False when it
+    is the embedded config's."""
+    return bool(args.config) and "optimizer" in read_json(args.config)
+
+
 def filled_from_default(args: argparse.Namespace) -> list[str]:
     """What build_config took from the embedded config because --config was silent, as lines."""
-    if not args.config:
+    if not args.config or wrote_optimizer(args):
         return []
     user = read_json(args.config)
-    if "optimizer" in user:
-        return []
     default = default_config(args.steps, 8, [])
     opt = default["optimizer"]["params"]
     took = (f"optimizer AdamW (lr {opt['lr']:g}, betas {tuple(opt['betas'])}, weight decay {opt['weight_decay']:g})")
@@ -54,12 +58,6 @@ def filled_from_default(args: argparse.Namespace) -> list[str]:
         took += f" with WarmupCosineLR ({sched['warmup_num_steps']} warm-up steps of {sched['total_num_steps']})"
     return [f"{args.config} has no 'optimizer'; using the embedded config's {took} (add an 'optimizer' "
             "section to choose another)"]
-
-
-def wrote_optimizer(args: argparse.Namespace) -> bool:
-    """True when the optimizer section is the user's (a --config with `optimizer`), False when it
-    is the embedded config's."""
-    return bool(args.config) and "optimizer" in read_json(args.config)
 
 
 def build_config(args: argparse.Namespace, unit_classes: list[str]) -> dict[str, Any]:
