@@ -186,3 +186,27 @@ def test_after_a_stop_the_launcher_removes_partial_tags(tmp_path):
                     "(the same command continues from it)")
     assert after_stop(str(tmp_path / "never-made")) == f"no checkpoint was completed in {tmp_path / 'never-made'}"
     assert after_stop(None) == ""
+
+
+def test_torchrun_leaves_the_stop_signals_to_zeroshard(monkeypatch):
+    """torch's launcher writes its --signals-to-handle (SIGTERM,SIGINT,SIGHUP,SIGQUIT by default)
+    over TORCHELASTIC_SIGNALS_TO_HANDLE; then a SIGINT to torchrun reaches ranks still starting
+    Python as SIGINT, and each prints a KeyboardInterrupt traceback (the flaky
+    SIGINT-torchrun-start form above, 2 of 3 runs). zeroshard's agent keeps only SIGQUIT torch's."""
+    import torch.distributed.run as torch_run
+
+    from zeroshard.cli import torchrun_main
+
+    seen = []
+    monkeypatch.setattr(torch_run, "run", seen.append)
+    monkeypatch.setattr(torchrun_main.rank_guard, "die_with_parent", lambda: None)  # not this pytest process
+    monkeypatch.setattr(torchrun_main, "_quiet", lambda: None)  # leave this process's loggers alone
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "unset")
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert torchrun_main.main(["--standalone", "--nproc-per-node=2", "script.py"]) == 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert getattr(seen[0], "signals_to_handle", "SIGQUIT") == "SIGQUIT"
+    assert os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGQUIT"

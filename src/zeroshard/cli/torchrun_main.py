@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         _quiet()
         _cheap_rendezvous_names()
         try:
-            run(parse_args(sys.argv[1:] if argv is None else argv))
+            args = parse_args(sys.argv[1:] if argv is None else argv)
+            if hasattr(args, "signals_to_handle"):  # newer torch writes its --signals-to-handle over the variable
+                args.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"]
+            run(args)
         except ChildFailedError as exc:
             return _failed(exc)
         except SignalException as exc:
