@@ -79,12 +79,7 @@ class Lamb(PerTensorOptimizer):
         return bool(self._pieces)
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        state = self._adam_state(p)
         step, (beta1, beta2) = int(state["step"].item()), group["betas"]
         m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)

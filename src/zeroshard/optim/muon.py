@@ -143,12 +143,7 @@ class Muon(PerTensorOptimizer):
             part.mul_(decay).add_(update[start - offset: stop - offset], alpha=-lr)
 
     def _adam_step(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        state = self._adam_state(p)
         step, (beta1, beta2) = int(state["step"].item()), group["betas"]
         lr, wd, g = group["lr"], group["weight_decay"], p.grad
         decoupled = group.get("adam_w_mode", True)

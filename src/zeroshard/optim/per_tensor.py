@@ -28,3 +28,13 @@ class PerTensorOptimizer(torch.optim.Optimizer):
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
         raise NotImplementedError
+
+    def _adam_state(self, p: torch.Tensor) -> dict:
+        """`p`'s state with Adam's two moments (zeros at its first step) and its step, counted."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        return state

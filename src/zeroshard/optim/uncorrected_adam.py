@@ -36,12 +36,7 @@ class UncorrectedAdam(PerTensorOptimizer):
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        state = self._adam_state(p)
         g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
         if wd and not group["adam_w_mode"]:
             g = g.add(p, alpha=wd)
