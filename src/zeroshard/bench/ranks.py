@@ -20,8 +20,13 @@ from queue import Empty as queue_empty
 from typing import Any, Callable
 
 FAILED_PEER_GRACE_S = 30.0  # after a rank fails, how long the others may take to report
-# what a forkserver imports once for all the ranks it forks (torch's import is most of a rank's start)
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "zeroshard.api.initialize"]
+# What a forkserver imports once for all the ranks it forks: torch's import is most of a rank's
+# start. torch._dynamo: zeroshard imports it before it makes a group (comm.topology), ~0.9 s of
+# CPU per rank otherwise (rank CPU 1.08 -> 0.17 s). GPT-2's transformers module: the suite's
+# Hugging Face ranks (oracle, generation, LoRA, export) paid ~2.3 s each for it. A module that
+# is not installed is skipped by multiprocessing.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard.api.initialize",
+                      "transformers.models.gpt2.modeling_gpt2"]
 
 __all__ = ["free_port", "from_wire", "rank_entry", "run_ranks", "start_context", "to_wire"]
 
