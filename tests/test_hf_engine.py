@@ -138,6 +138,44 @@ def test_zero_grad_drops_the_window_so_far():
     _close(_weights(engine), _oracle(batches[1:]))
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_grad_between_counted_micro_steps_drops_what_came_before(stage):
+    """The micro-step counter decides (no caller boundary): zero_grad() after the window's first
+    backward leaves its second backward's gradient alone in the step, as DeepSpeed's zero_grad.
+    Stages 2-3 empty their accumulators lazily (stages/gradients.py): a reduction that is not a
+    window's first must still overwrite what zero_grad emptied, not add to it."""
+    batches = _batches(4)
+    engine, *_ = deepspeed.initialize(model=_model(), config=_config(stage))
+    for i, (x, y) in enumerate(batches):
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        if i == 0:
+            engine.zero_grad()
+        engine.step()
+    assert engine.global_steps == 2
+    oracle = _model()
+    opt = torch.optim.SGD(oracle.parameters(), lr=LR)
+    for window in ([batches[1]], batches[2:]):
+        for x, y in window:
+            (nn.functional.mse_loss(oracle(x), y) / GAS).backward()
+        opt.step()
+        opt.zero_grad()
+    _close(_weights(engine), oracle.state_dict())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_with_no_backward_since_zero_grad_applies_no_gradient(stage):
+    batches = _batches(2)
+    engine, *_ = deepspeed.initialize(model=_model(), config=_config(stage))
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(nn.functional.mse_loss(engine(batches[0][0]), batches[0][1]))
+    engine.step()
+    after_one = {k: v.clone() for k, v in _weights(engine).items()}
+    engine.zero_grad()
+    engine.step()  # the previous window's gradient must not be applied a second time
+    for name, w in _weights(engine).items():
+        assert torch.equal(w, after_one[name]), name
+
+
 def test_engine_is_a_module_with_deepspeeds_attributes():
     model = _model()
     config = _config(3, steps_per_print=math.inf, stage3_gather_16bit_weights_on_model_save=True)
