@@ -1,9 +1,8 @@
 """Gradient storage and reduction for every stage: strategies over FlatBuckets.
 
-One class, `BucketedGradients`, runs the life of a bucket's gradient in a micro-step:
-arrive (post-accumulate-grad hook) -> bucket complete -> reduction launched
-(overlapping the rest of backward) -> finished at the end of backward. Subclasses
-choose only where the gradient lives and which collective reduces it:
+One class, `BucketedGradients`, runs a bucket's gradient through a micro-step: arrive (post-
+accumulate-grad hook) -> bucket complete -> reduction launched (overlapping backward) -> finished
+at the end of backward. Subclasses choose where the gradient lives and which collective reduces it:
 
   stage 0  `AllReducedGradients`    full buffer kept; all-reduce at the boundary
   stage 1  `ScatteredGradients`     full buffer kept; reduce-scatter at the boundary
@@ -11,9 +10,9 @@ choose only where the gradient lives and which collective reduces it:
   and 3                            micro-step into a persistent shard accumulator (stage 3: a
                                    unit's buckets, reduced as its backward ends; qgZ's reducer)
 
-Gradients are pre-divided by the world size before the sum (or the collective averages),
-so a reduced gradient is the mean over ranks (and fp16 sums do not overflow), unless the
-config's GradientReducePolicy asks for DeepSpeed's other forms (sum, prescale, predivide).
+Gradients are pre-divided by the world size before the sum (or the collective averages): a
+reduced gradient is the mean over ranks (fp16 sums do not overflow), unless the config's
+GradientReducePolicy asks for DeepSpeed's other forms (sum, prescale, predivide).
 """
 
 from __future__ import annotations
@@ -299,10 +298,9 @@ class ScatteredGradients(_Scatter, _PersistentGradients):
 
 
 class PartitionedGradients(_Scatter, BucketedGradients):
-    """Stage 2: only the shard accumulator persists; a bucket's full gradient exists from
-    its first gradient until its reduce-scatter lands (`contiguous_gradients` copies each
-    gradient into it on arrival; otherwise they stay in `param.grad` until the bucket is
-    complete), and every micro-step reduces, so nothing full is kept across micro-steps."""
+    """Stage 2: only the shard accumulator persists; a bucket's full gradient exists from its first
+    gradient until its reduce-scatter lands (`contiguous_gradients` copies each gradient into it on
+    arrival; else they wait in `param.grad`); every micro-step reduces: nothing full is kept."""
 
     reduces_every_micro_step = True
 
@@ -318,11 +316,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         self._full: dict[int, torch.Tensor] = {}
         self._written: dict[int, set[int]] = {}  # slots of each in-flight buffer already holding a gradient
         self._landed: set[int] = set()  # in-flight buckets whose reduction writes the accumulator itself
-        # accumulators that zero_grads() emptied but nothing has written since: the next reduction
-        # copies over them instead of adding, and a read before that zeroes them (the first
-        # micro-step of a window overwrites every accumulator, so an eager zero-fill was a
-        # full pass over the shards per step for nothing: 0.08 s of zs2's 4 s step at 150M)
-        self._stale: set[int] = set()
+        self._stale: set[int] = set()  # emptied by zero_grads() (lazily: see there), not yet rewritten
 
     def _max_in_flight(self) -> int:
         return self.max_in_flight
@@ -374,9 +368,8 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         return full
 
     def _landing(self, b: int, wire: torch.Tensor) -> torch.Tensor:
-        """The first micro-step of a window writes the reduced shard straight into the
-        accumulator (no copy after), when the buffer sent is the gradient itself (no cast)
-        and the reduction is a reduce-scatter (an all-reduce lands in the whole buffer)."""
+        """A window's first micro-step writes the reduced shard straight into the accumulator (no copy
+        after) when the buffer sent is the gradient itself (no cast) and it is a reduce-scatter."""
         if self._state.first and wire.dtype == self.shards[b].dtype and not self.use_all_reduce:
             self._landed.add(b)
             return self.shards[b]
@@ -398,9 +391,10 @@ class PartitionedGradients(_Scatter, BucketedGradients):
 
     def grad_shard(self, b: int) -> torch.Tensor:
         if b in self._stale:  # read with no reduction since zero_grads (a step without backward)
-            self.shards[b].zero_()
             self._stale.discard(b)
+            self.shards[b].zero_()
         return self.shards[b]
 
     def zero_grads(self) -> None:
+        """Lazily (a window's first micro-step overwrites every accumulator): _after_reduce, grad_shard."""
         self._stale.update(range(len(self.shards)))
