@@ -4,10 +4,10 @@
 from zeroshard.stages.gradients import (
     AllReducedGradients,
     BucketedGradients,
-    PartitionedGradients,
     ScatteredGradients,
 )
 from zeroshard.stages.params import ParamPublisher, ParamStrategy, PartitionedParams, ReplicatedParams
+from zeroshard.stages.partitioned_gradients import PartitionedGradients
 
 __all__ = ["AllReducedGradients", "BucketedGradients", "ParamPublisher", "ParamStrategy", "PartitionedGradients",
            "PartitionedParams", "ReplicatedParams", "ScatteredGradients"]

@@ -35,14 +35,13 @@ from zeroshard.stages.assembly import (
 )
 from zeroshard.stages.accumulated_gradients import AccumulatedScatteredGradients
 from zeroshard.stages.gradients import (
-    MAX_IN_FLIGHT,
     AllReducedGradients,
     BucketedGradients,
-    PartitionedGradients,
     ScatteredGradients,
 )
 from zeroshard.stages.param_status import ParamStatus, label_bucket, label_whole
 from zeroshard.stages.params import ParamPublisher, ParamStrategy, PartitionedParams, ReplicatedParams
+from zeroshard.stages.partitioned_gradients import MAX_IN_FLIGHT, PartitionedGradients
 from zeroshard.stages.stage3 import Stage3Runtime
 from zeroshard.stages.unit_state import Unit
 from zeroshard.stages.stage3_assembly import build_stage3, stage3_collectives

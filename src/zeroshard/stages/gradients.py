@@ -6,9 +6,9 @@ at the end of backward. Subclasses choose where the gradient lives and which col
 
   stage 0  `AllReducedGradients`    full buffer kept; all-reduce at the boundary
   stage 1  `ScatteredGradients`     full buffer kept; reduce-scatter at the boundary
-  stage 2  `PartitionedGradients`   full buffer only while in flight; reduce-scatter every
-  and 3                            micro-step into a persistent shard accumulator (stage 3: a
-                                   unit's buckets, reduced as its backward ends; qgZ's reducer)
+  stage 2  `PartitionedGradients`   (stages/partitioned_gradients.py) only a shard accumulator
+  and 3                            persists; every micro-step reduces into it (stage 3: a unit's
+                                   buckets, reduced as its backward ends; qgZ's reducer)
 
 Gradients are pre-divided by the world size before the sum (or the collective averages): a
 reduced gradient is the mean over ranks (fp16 sums do not overflow), unless the config's
@@ -25,15 +25,8 @@ from torch import nn
 
 from zeroshard.comm import Comm, Handle
 from zeroshard.partition import FlatBucket, MemoryLedger, slot_views
-from zeroshard.partition.buffer_pool import empty_from
 from zeroshard.policies import GradientReducePolicy, ZeroShardError
 from zeroshard.stages.hooks import Hooks
-
-# stages 2 and 3: buckets whose reduction may still run when the next one launches; with 1, at
-# most two full gradient buffers exist (one reducing, one filling), as in FSDP, whose unit's
-# reduce-scatter runs while the next unit computes (measured: bench/RESULTS.md, 2026-12-01 16:13)
-MAX_IN_FLIGHT = 1
-
 
 @dataclass
 class _Pending:
@@ -295,106 +288,3 @@ class ScatteredGradients(_Scatter, _PersistentGradients):
     def grad_shard(self, b: int) -> torch.Tensor:
         lo, hi = self.buckets[b].shard_range
         return self.grads[b][lo:hi]
-
-
-class PartitionedGradients(_Scatter, BucketedGradients):
-    """Stage 2: only the shard accumulator persists; a bucket's full gradient exists from its first
-    gradient until its reduce-scatter lands (`contiguous_gradients` copies each gradient into it on
-    arrival; else they wait in `param.grad`); every micro-step reduces: nothing full is kept."""
-
-    reduces_every_micro_step = True
-
-    def __init__(self, *args, contiguous: bool = True, use_all_reduce: bool = False,
-                 max_in_flight: int = MAX_IN_FLIGHT, reducer=None, pool=None, accum_dtype=None, **kwargs) -> None:
-        self.contiguous, self.use_all_reduce, self.max_in_flight = contiguous, use_all_reduce, max_in_flight
-        self.reducer, self.pool = reducer, pool  # pool: a BufferPool for the full buffers, or None
-        super().__init__(*args, **kwargs)
-        self.shards = [torch.zeros(b.layout.shard_numel, dtype=accum_dtype or b.dtype, device=b.device)
-                       for b in self.buckets]  # accum_dtype: data_types.grad_accum_dtype
-        for shard, bucket in zip(self.shards, self.buckets):
-            self.memory.hold("grads", f"{bucket.key}.shard", shard.nbytes)
-        self._full: dict[int, torch.Tensor] = {}
-        self._written: dict[int, set[int]] = {}  # slots of each in-flight buffer already holding a gradient
-        self._landed: set[int] = set()  # in-flight buckets whose reduction writes the accumulator itself
-        self._stale: set[int] = set()  # emptied by zero_grads() (lazily: see there), not yet rewritten
-
-    def _max_in_flight(self) -> int:
-        return self.max_in_flight
-
-    def begin_backward(self, boundary: bool, first_micro: bool, *early) -> None:
-        for bucket in self.buckets:
-            for p in bucket.params:
-                p.grad = None
-        super().begin_backward(boundary, first_micro, *early)
-
-    def _buffer(self, b: int) -> torch.Tensor:
-        """The bucket's full gradient buffer, uninitialised: each slot is copied on its first
-        gradient, and what no gradient reached is zeroed at launch (no full zero-fill)."""
-        if b not in self._full:
-            bucket = self.buckets[b]
-            self._full[b] = empty_from(self.pool, bucket.layout.padded_numel, bucket.dtype, bucket.device)
-            self._written[b] = set()
-            self.memory.hold("grads", f"{bucket.key}.full", self._full[b].nbytes)
-        return self._full[b]
-
-    def _put(self, b: int, s: int, grad: torch.Tensor) -> None:
-        slot = self.buckets[b].slots[s]
-        view = self._buffer(b)[slot.offset : slot.end].view(slot.shape)
-        if s in self._written[b]:
-            view.add_(grad)  # a second gradient for the slot in the same backward
-        else:
-            view.copy_(grad)
-            self._written[b].add(s)
-
-    def _arrive(self, b: int, s: int, param: nn.Parameter) -> None:
-        if not self.contiguous:
-            key = f"{self.buckets[b].key}.{s}"
-            self.memory.hold("grads", key, param.grad.nbytes)
-            return
-        self._put(b, s, param.grad)
-        param.grad = None
-
-    def _full_grad(self, b: int) -> torch.Tensor:
-        bucket = self.buckets[b]
-        full = self._buffer(b)
-        for s, (slot, p) in enumerate(zip(bucket.slots, bucket.params)):
-            if not self.contiguous and p.grad is not None:
-                self._put(b, s, p.grad)
-                p.grad = None
-                self.memory.release("grads", f"{bucket.key}.{s}")
-            if s not in self._written[b]:  # no gradient this micro-step (unused): zero
-                full[slot.offset : slot.end].zero_()
-        full[bucket.layout.numel :].zero_()  # padding
-        return full
-
-    def _landing(self, b: int, wire: torch.Tensor) -> torch.Tensor:
-        """A window's first micro-step writes the reduced shard straight into the accumulator (no copy
-        after) when the buffer sent is the gradient itself (no cast) and it is a reduce-scatter."""
-        if self._state.first and wire.dtype == self.shards[b].dtype and not self.use_all_reduce:
-            self._landed.add(b)
-            return self.shards[b]
-        return super()._landing(b, wire)
-
-    def _after_reduce(self, b: int, full: torch.Tensor) -> None:
-        lo, hi = self.buckets[b].shard_range
-        if b in self._landed:
-            self._landed.discard(b)
-        elif self._state.first or b in self._stale:
-            self.shards[b].copy_(full[lo:hi])
-        else:
-            self.shards[b].add_(full[lo:hi])
-        self._stale.discard(b)
-        done = self._full.pop(b)
-        if self.pool is not None:
-            self.pool.give(done)
-        self.memory.release("grads", f"{self.buckets[b].key}.full")
-
-    def grad_shard(self, b: int) -> torch.Tensor:
-        if b in self._stale:  # read with no reduction since zero_grads (a step without backward)
-            self._stale.discard(b)
-            self.shards[b].zero_()
-        return self.shards[b]
-
-    def zero_grads(self) -> None:
-        """Lazily (a window's first micro-step overwrites every accumulator): _after_reduce, grad_shard."""
-        self._stale.update(range(len(self.shards)))
