@@ -7,7 +7,7 @@
 Per rank, medians over the timed steps (the workload, systems and AdamW of zeroshard.bench, as
 `zeroshard bench` runs them: --model, --warmup, --steps, --micro-batch, --seq-len): wall and
 process CPU seconds (all threads, gloo's included) of forward (with the loss), backward and the
-optimizer step; minor page faults and system CPU per step; and for zeroshard the seconds per
+optimizer step; minor page faults per step (and per phase) and system CPU per step; and for zeroshard the seconds per
 step spent blocked in each kind of collective's `wait()` (gradient reductions, parameter
 gathers, the gradient norm), which is where a rank waits for its peer or for communication
 that did not overlap. `--trace` prints every wait of the last step with its time from the start
@@ -117,19 +117,21 @@ def main() -> None:
             (w0, c0, r0), end = marks[0], marks[-1]
             rows.append([b[0] - a[0] for a, b in zip(marks, marks[1:])] + [end[0] - w0]
                         + [b[1] - a[1] for a, b in zip(marks, marks[1:])] + [end[1] - c0]
-                        + [end[2].ru_minflt - r0.ru_minflt, end[2].ru_stime - r0.ru_stime])
+                        + [end[2].ru_minflt - r0.ru_minflt, end[2].ru_stime - r0.ru_stime]
+                        + [b[2].ru_minflt - a[2].ru_minflt for a, b in zip(marks, marks[1:])])
     med = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
     waits = {k: v / args.steps for k, v in clock.seconds.items()} if clock is not None else {}
     every = [None] * world
     dist.all_gather_object(every, (med, waits, clock.trace if (clock is not None and args.trace) else []))
     if rank == 0:
         print(f"{args.system}, {args.steps} timed steps, medians per rank (seconds)")
-        print("| rank | wall fwd | bwd | step | total | CPU fwd | bwd | step | total | page faults | sys CPU | "
-              "blocked in wait() per step |")
+        print("| rank | wall fwd | bwd | step | total | CPU fwd | bwd | step | total | page faults (fwd/bwd/step) "
+              "| sys CPU | blocked in wait() per step |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r, (m, w, _) in enumerate(every):
             blocked = ", ".join(f"{k} {v:.3f}" for k, v in sorted(w.items())) or "-"
-            print(f"| {r} | " + " | ".join(f"{x:.3f}" for x in m[:8]) + f" | {m[8]:.0f} | {m[9]:.3f} | {blocked} |")
+            print(f"| {r} | " + " | ".join(f"{x:.3f}" for x in m[:8]) + f" | {m[8]:.0f} ({m[10]:.0f}/{m[11]:.0f}/{m[12]:.0f})"
+                  f" | {m[9]:.3f} | {blocked} |")
         for r, (_, _, trace) in enumerate(every):
             if trace:
                 print(f"\nrank {r}, last step: seconds from its start, seconds waited, collective")

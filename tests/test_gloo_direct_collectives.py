@@ -162,3 +162,40 @@ def test_diverged_ranks_time_out_with_a_comm_error_instead_of_aborting():
         assert "all_gather" in message and "diverged" in message and "rank" in message, message
     assert any(kind == "CommTimeoutError" and "did not finish within 3s" in message
                for kind, message in results), results
+
+
+# pieces of a 3 x 7 = 21-element input: [0, 5) crosses nothing, [5, 12) crosses chunks 0|1, [12, 19)
+# crosses 1|2 and ends 2 before the tail (padding: uncovered, counts as zero)
+PIECES = [(0, 5), (5, 12), (12, 19)]
+
+
+def _pieces_worker(rank: int, world_size: int):
+    topology, comm = _comm(world_size)
+    size = 21 // world_size
+    full = torch.zeros(21)
+    pieces = []
+    for lo, hi in PIECES:
+        piece = torch.arange(lo, hi, dtype=torch.float32) * (rank + 1) + 0.25 * rank
+        full[lo:hi] = piece
+        pieces.append((lo, piece))
+    want = torch.empty(size)
+    comm.reduce_scatter(want, full.clone(), what="assembled", average=True).wait()
+    got = torch.full((size,), float("nan"))  # overwritten everywhere, the padding included
+    comm.reduce_scatter_pieces(got, pieces, what="pieces", average=True).wait()
+    summed = torch.full((size,), 100.0)
+    comm.reduce_scatter_pieces(summed, pieces, what="pieces, summed onto", accumulate=True).wait()
+    sums = torch.empty(size)
+    comm.reduce_scatter(sums, full.clone(), what="assembled sum").wait()
+    wire = comm.ledger.stats()["reduce_scatter"]
+    topology.destroy()
+    return want, got, summed, sums + 100.0, wire
+
+
+def test_reduce_scatter_of_pieces_equals_the_assembled_tensors():
+    """Pieces that cross chunk boundaries and leave a tail uncovered reduce to the same values as
+    the tensor assembled from them (averaged into a buffer of garbage, summed onto one holding
+    values), with a reduce-scatter's wire bytes."""
+    for rank, (want, got, summed, want_summed, wire) in enumerate(run_ranks(_pieces_worker, WORLD, timeout=120)):
+        assert torch.equal(got, want), (rank, got, want)
+        assert torch.equal(summed, want_summed), (rank, summed, want_summed)
+        assert wire["calls"] == 4 and wire["elements"] == 4 * 21

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from oracle import Case, assert_matches, train_engine, train_reference
+from oracle import Case, assert_matches, config_for, sgd_close, train_engine, train_reference
 
 WORLD = 2
 
@@ -67,3 +67,91 @@ def test_clipping_actually_clipped(results):
     """The clipped cases only prove something if the norm exceeded the threshold."""
     norms = [results[c][0][2] for c in CASES if c.clip > 0]
     assert max(norms) > 0.5, f"clip threshold 0.5 never reached (norms {norms}); the clip tests are vacuous"
+
+
+def _zero_grad_worker(rank: int, world_size: int):
+    from oracle import MICRO, batch, loss_of, make_model
+
+    import zeroshard
+
+    out = []
+    for stage in (2, 3):
+        case = Case(stage=stage, gas=2)
+        engine = zeroshard.initialize(make_model(case), config_for(case, world_size))
+        for micro in range(4):
+            x, y = batch(case, micro, world_size)
+            engine.backward(loss_of(engine, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+            if micro == 0:
+                engine.zero_grad()  # the window's first micro-batch is dropped
+            engine.step()
+        out.append(engine.full_state_dict())
+        engine.close()
+    return out
+
+
+def test_zero_grad_inside_a_window_on_two_ranks():
+    """Stages 2-3 on 2 gloo ranks, where each gradient is reduced from where autograd left it
+    (Comm.reduce_scatter_pieces) onto the accumulator: zero_grad() after a window's first
+    micro-step empties the accumulator lazily, so the second micro-step must overwrite it, not
+    add to it; the window after that accumulates again."""
+    from oracle import batch, loss_of, make_model, sgd_close, torch_optimizer
+
+    got = run_ranks(_zero_grad_worker, WORLD, timeout=300)
+    for s, stage in enumerate((2, 3)):
+        case = Case(stage=stage, gas=2)
+        model = make_model(case)
+        opt = torch_optimizer(case, model.parameters())
+        for window in ([1], [2, 3]):
+            for micro in window:
+                x, y = batch(case, micro, WORLD)
+                (loss_of(model, x, y) / 2).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        ref = {k: v.detach().float() for k, v in model.state_dict().items()}
+        for rank in range(WORLD):
+            assert not sgd_close(got[rank][s], ref), (stage, rank, sgd_close(got[rank][s], ref)[:3])
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_b: bool):
+        y = self.a(x)
+        return (y + self.b(y) if use_b else y).pow(2).mean()
+
+
+def _branch_rows(rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+
+def _unused_on_one_rank_worker(rank: int, world_size: int):
+    import zeroshard
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 2, "ignore_unused_parameters": True},
+              "zeroshard": {"comm_timeout_s": 20}}
+    engine = zeroshard.initialize(_Branchy(), config)
+    for _ in range(2):
+        engine.backward(engine(_branch_rows(rank), use_b=rank == 1))  # rank 0 never uses `b`
+        engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def test_a_parameter_unused_on_one_rank_reduces_as_zero_there():
+    """Stage 2 on 2 ranks, `b` used by rank 1 only: rank 0 sends zeros for it, so both ranks send
+    the same pieces (Comm.reduce_scatter_pieces) and `b` moves by half of rank 1's gradient."""
+    ref = _Branchy()
+    for _ in range(2):
+        grads = [torch.autograd.grad(ref(_branch_rows(r), use_b=r == 1), list(ref.parameters()), allow_unused=True)
+                 for r in range(WORLD)]
+        with torch.no_grad():
+            for i, p in enumerate(ref.parameters()):
+                p -= 0.1 * sum(g[i] if g[i] is not None else torch.zeros_like(p) for g in grads) / WORLD
+    want = {k: v.detach() for k, v in ref.state_dict().items()}
+    for state in run_ranks(_unused_on_one_rank_worker, WORLD, timeout=120):
+        assert not sgd_close(state, want), sgd_close(state, want)[:3]

@@ -267,6 +267,66 @@ class Comm:
         return self.issue("reduce_scatter", input, input.numel(), what,
                            lambda: self._exchange(tag, sends, received) if size else [], finish=finish)
 
+    def reduces_pieces(self, dtype: torch.dtype, device) -> bool:
+        """Whether `reduce_scatter_pieces` serves tensors of `dtype` on `device` here."""
+        return self.world_size > 1 and self.topology.backend == "gloo" and torch.device(device).type == "cpu" \
+            and dtype != torch.float16
+
+    def reduce_scatter_pieces(self, output: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], what: str = "",
+                              average: bool = False, accumulate: bool = False) -> Handle:
+        """`reduce_scatter` of a flat input of world_size x output.numel() elements that is never
+        assembled: `pieces` are (offset, contiguous tensor) in offset order, not overlapping, at the
+        same offsets and sizes on every rank; what they leave uncovered counts as zero. Each piece
+        goes to its owners straight from where it lies (a gradient where autograd left it), so no
+        bucket is filled: a copy of every gradient saved. Rank r's sum (the mean with `average`)
+        lands in `output`, or is added to it with `accumulate`. gloo on CPU only (`reduces_pieces`)."""
+        n, size, me = self.world_size, output.numel(), self.rank
+        if not self.reduces_pieces(output.dtype, output.device):
+            raise CommError(f"reduce_scatter_pieces on {self.topology.backend} with {n} ranks and {output.dtype}; "
+                            "this is a zeroshard bug, please report it.")
+        seq = self._tag("reduce_scatter", n * size, output.dtype)
+        spare = self.scratch((n - 1) * size, output.dtype, output.device)
+        received = [spare[k * size : (k + 1) * size] for k in range(n - 1)]
+        peers, own, sends, recvs = self._peers(), [], [], []
+        for off, piece in pieces:
+            flat, end = piece.view(-1), off + piece.numel()
+            for c in range(off // size, min(n, -(-end // size))):
+                lo, hi = max(off, c * size), min(end, (c + 1) * size)
+                if lo >= hi:
+                    continue
+                part, at, tag = flat[lo - off : hi - off], lo - c * size, zlib.crc32(f"{seq}:{len(own) + len(sends)}".encode()) & 0x7FFFFFFF
+                if c == me:
+                    own.append((at, part))
+                    recvs += [(peer, got[at : at + part.numel()], tag) for peer, got in zip(peers, received)]
+                else:
+                    sends.append((c, part, tag))
+
+        def exchange() -> list:
+            works = [dist.irecv(out, group=self.group, group_src=peer, tag=tag) for peer, out, tag in recvs]
+            return works + [dist.isend(part, group=self.group, group_dst=peer, tag=tag) for peer, part, tag in sends]
+
+        def finish() -> None:
+            out, scale, covered = output.view(-1), (1.0 / n if average else 1.0), 0
+            for at, part in own:
+                region = out[at : at + part.numel()]
+                if accumulate:
+                    for term in [part] + [got[at : at + part.numel()] for got in received]:
+                        region.add_(term, alpha=scale)
+                    continue
+                if at > covered:
+                    out[covered:at].zero_()  # padding: no rank sends it
+                torch.add(part, received[0][at : at + part.numel()], out=region)
+                for got in received[1:]:
+                    region.add_(got[at : at + part.numel()])
+                covered = at + part.numel()
+            if not accumulate:
+                out[covered:].zero_()
+                if average:
+                    out.mul_(scale)
+            self.give_back(spare)
+
+        return self.issue("reduce_scatter", output, n * size, what, exchange, finish=finish)
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be rank r's chunk of it."""
         self.check_sizes("all_gather", output, input)

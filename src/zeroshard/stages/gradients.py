@@ -141,6 +141,10 @@ class BucketedGradients:
                 self.memory.release("comm_buffers", f"wire{b}")
             self._after_reduce(b, full)
 
+        self._enqueue(b, handle, finish)
+
+    def _enqueue(self, b: int, handle: Handle, finish: Callable[[], None]) -> None:
+        """Bucket b's reduction is issued: `finish` runs once `handle` is waited on."""
         self._pending.append(_Pending(b, handle, finish))
         if self._state.on_overlap is not None:
             self._state.on_overlap()

@@ -18,7 +18,9 @@ MAX_IN_FLIGHT = 1
 class PartitionedGradients(_Scatter, BucketedGradients):
     """Stage 2: only the shard accumulator persists; a bucket's full gradient exists from its first
     gradient until its reduce-scatter lands (`contiguous_gradients` copies each gradient into it on
-    arrival; else they wait in `param.grad`); every micro-step reduces: nothing full is kept."""
+    arrival; else they wait in `param.grad`); every micro-step reduces: nothing full is kept. With
+    gloo on CPU no full buffer is filled at all: each gradient waits where autograd left it and
+    is sent from there (`_reduces_in_place`), a copy of every gradient saved."""
 
     reduces_every_micro_step = True
 
@@ -35,6 +37,18 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         self._written: dict[int, set[int]] = {}  # slots of each in-flight buffer already holding a gradient
         self._landed: set[int] = set()  # in-flight buckets whose reduction writes the accumulator itself
         self._stale: set[int] = set()  # emptied by zero_grads() (lazily: see there), not yet rewritten
+        # gloo on CPU: each gradient is reduced from where autograd left it (Comm.reduce_scatter_pieces),
+        # with no full buffer filled; the gradients wait here, by bucket and slot, until then
+        self._kept: dict[int, dict[int, torch.Tensor]] = {}
+        self._piecewise = [self._reduces_in_place(b) for b in range(len(self.buckets))]
+
+    def _reduces_in_place(self, b: int) -> bool:
+        """Whether bucket b is reduced piecewise: the comm serves it, and nothing needs the full
+        buffer (a cast to another reduce dtype, an all-reduce, qgZ, pre- or post-scaling)."""
+        bucket = self.buckets[b]
+        return (self.comm.reduces_pieces(bucket.dtype, bucket.device) and self.reduce_dtype == bucket.dtype
+                and not self.use_all_reduce and self.reducer is None and self.shards[b].dtype == bucket.dtype
+                and self.scaling.factors(self.comm.world_size, True) == (1.0, 1.0, True))
 
     def _max_in_flight(self) -> int:
         return self.max_in_flight
@@ -65,12 +79,42 @@ class PartitionedGradients(_Scatter, BucketedGradients):
             self._written[b].add(s)
 
     def _arrive(self, b: int, s: int, param: nn.Parameter) -> None:
+        if self._piecewise[b]:
+            kept, grad = self._kept.setdefault(b, {}), param.grad
+            if s in kept:
+                kept[s].add_(grad)  # a second gradient for the slot in the same backward
+            else:
+                kept[s] = grad if grad.is_contiguous() else grad.contiguous()
+                self.memory.hold("grads", f"{self.buckets[b].key}.{s}", grad.nbytes)
+            param.grad = None
+            return
         if not self.contiguous:
             key = f"{self.buckets[b].key}.{s}"
             self.memory.hold("grads", key, param.grad.nbytes)
             return
         self._put(b, s, param.grad)
         param.grad = None
+
+    def _launch(self, b: int) -> None:
+        if not self._piecewise[b]:
+            return super()._launch(b)
+        self._state.launched[b] = True
+        bucket, kept = self.buckets[b], self._kept.pop(b, {})
+        pieces = [(slot.offset, kept[s].view(-1) if s in kept else  # unused this step: zero, as the buffer's
+                   torch.zeros(slot.numel, dtype=bucket.dtype, device=bucket.device))
+                  for s, slot in enumerate(bucket.slots)]
+        accumulate = not (self._state.first or b in self._stale)  # else overwrite: lazily emptied
+        handle = self.comm.reduce_scatter_pieces(self.shards[b], pieces, what=f"gradients of {bucket.label}",
+                                                 average=True, accumulate=accumulate)
+
+        def finish() -> None:
+            for s in kept:
+                self.memory.release("grads", f"{bucket.key}.{s}")
+            pieces.clear()
+            kept.clear()
+            self._stale.discard(b)
+
+        self._enqueue(b, handle, finish)
 
     def _full_grad(self, b: int) -> torch.Tensor:
         bucket = self.buckets[b]

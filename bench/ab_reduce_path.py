@@ -1,0 +1,56 @@
+"""issue 46: alternate the piecewise and the bucket path of stage 2/3's gradient reduction every step in
+one run (both ranks alike), so machine drift lands on both; medians of wall and CPU per path.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/ab_reduce_path.py zs2 150M 6
+
+Arguments: system (zs2 or zs3), model (as `zeroshard bench --model`), timed steps per path
+(after 4 untimed). The bucket path is the one NCCL and the cast / scaled reductions take."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, "bench")  # step_phases.build: zeroshard bench's workload and config
+import step_phases as sp  # noqa: E402
+from zeroshard.bench.command import model_spec  # noqa: E402
+from zeroshard.bench.worker import DATA_TOKENS  # noqa: E402
+from zeroshard.cli.train.data import rank_batch  # noqa: E402
+from zeroshard.cli.train.model import build_model  # noqa: E402
+from zeroshard.models import synthetic_tokens  # noqa: E402
+from zeroshard.stages.partitioned_gradients import PartitionedGradients  # noqa: E402
+
+system, model, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+tm = build_model(model_spec(model))
+tokens = synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=0)
+forward, backward, step, _ = sp.build(system, tm, 4, {})
+pg = [o for o in gc.get_objects() if isinstance(o, PartitionedGradients)]
+assert pg, "no PartitionedGradients"
+native = [list(o._piecewise) for o in pg]
+rows = {True: [], False: []}
+for s in range(4 + 2 * steps):
+    mode = s % 2 == 0
+    for o, n in zip(pg, native):
+        o._piecewise = [x and mode for x in n]
+    inp, tgt = rank_batch(tokens, 4, 128, s, rank, world, 0)
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    backward(forward(inp, tgt)); step()
+    if s >= 4:
+        rows[mode].append((time.perf_counter() - t0, time.process_time() - c0))
+med = {m: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for m, v in rows.items()}
+every = [None] * world
+dist.all_gather_object(every, med)
+if rank == 0:
+    for r, m in enumerate(every):
+        print(f"rank {r} {system} {model}: piecewise wall {m[True][0]:.3f} cpu {m[True][1]:.3f} | bucket wall {m[False][0]:.3f} cpu {m[False][1]:.3f} | ratio {m[True][0]/m[False][0]:.3f}")
+dist.destroy_process_group()
