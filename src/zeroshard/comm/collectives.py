@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import datetime
 import time
-import zlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.direct import DirectCollectives
 from zeroshard.comm.ledger import CommLedger
 from zeroshard.comm.topology import Group, Topology
 from zeroshard.policies import CommError, CommTimeoutError
@@ -86,7 +86,7 @@ class Handle:
         return self._what
 
 
-class Comm:
+class Comm(DirectCollectives):
     """Plain collectives on one group (the world unless `on(group)` made it): an `AllGather`,
     `ReduceScatter` and `AllToAll` (comm.interfaces). Quantized and hierarchical collectives
     (comm.zeropp) implement the same interfaces and issue through `issue` and `launch_*`."""
@@ -204,129 +204,6 @@ class Comm:
         return self.issue("reduce_scatter", input, input.numel(), what,
                            lambda: _RS(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
-    def _direct(self, tensor: torch.Tensor) -> bool:
-        """Whether the point-to-point forms below replace gloo's own all-gather and
-        reduce-scatter (gloo on CPU tensors, more than one rank)."""
-        return self.world_size > 1 and self.topology.backend == "gloo" and tensor.device.type == "cpu"
-
-    def _peers(self) -> list[int]:
-        """The other ranks of the group, starting after this one (so the N ranks' first
-        messages go to N different peers)."""
-        n, me = self.world_size, self.rank
-        return [(me + k) % n for k in range(1, n)]
-
-    def _tag(self, op: str, numel: int, dtype: torch.dtype) -> int:
-        """The message tag of this group's next direct collective: its position in the group's
-        sequence, its kind and its size, hashed. Every rank issues the same sequence, so the
-        tags agree and concurrent collectives never take each other's messages. Ranks that
-        diverged (one skipped a collective) post different tags: their receives wait and time
-        out with a CommError, instead of gloo aborting the process on a size mismatch."""
-        root = self._root or self
-        key = (self.on_group.name, tuple(self.on_group.ranks))
-        seq = root._sequence.get(key, 0)
-        root._sequence[key] = seq + 1
-        return zlib.crc32(f"{seq}:{op}:{numel}:{dtype}".encode()) & 0x7FFFFFFF
-
-    def _exchange(self, tag: int, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> list:
-        """Post one receive and one send per peer (peer order of `_peers`) with `tag`; the
-        works to wait on."""
-        works = []
-        for peer, out, inp in zip(self._peers(), recvs, sends):
-            works.append(dist.irecv(out, group=self.group, group_src=peer, tag=tag))
-            works.append(dist.isend(inp, group=self.group, group_dst=peer, tag=tag))
-        return works
-
-    def _reduce_scatter_direct(self, output: torch.Tensor, input: torch.Tensor, what: str,
-                               average: bool) -> Handle:
-        """gloo has no reduce-scatter of its own: torch's gloo `reduce_scatter_tensor` clones
-        the whole input on the calling thread, all-reduces the clone (twice a reduce-scatter's
-        bytes) and copies one chunk out. Here every rank sends chunk j of `input` to rank j and
-        receives the N-1 chunks the peers hold of its own ((N-1)/N of the tensor, what the
-        ledger counts); the wait sums them with its own chunk into `output`. Same result, half
-        the bytes, no copy of its own chunk. `average` divides the sum (one pass over one
-        chunk); fp16 is divided before it is sent instead, as a sum of fp16 may overflow."""
-        n, size = self.world_size, output.numel()
-        flat = input.view(-1)
-        if average and input.dtype == torch.float16:
-            flat.mul_(1.0 / n)
-            average = False
-        chunks = [flat[p * size : (p + 1) * size] for p in range(n)]
-        spare = self.scratch((n - 1) * size, input.dtype, input.device)
-        received = [spare[k * size : (k + 1) * size] for k in range(n - 1)]
-
-        def finish() -> None:
-            out = output.view(-1)
-            torch.add(chunks[self.rank], received[0], out=out)
-            for part in received[1:]:
-                out.add_(part)
-            if average:
-                out.mul_(1.0 / n)
-            self.give_back(spare)
-
-        sends, tag = [chunks[p] for p in self._peers()], self._tag("reduce_scatter", input.numel(), input.dtype)
-        return self.issue("reduce_scatter", input, input.numel(), what,
-                           lambda: self._exchange(tag, sends, received) if size else [], finish=finish)
-
-    def reduces_pieces(self, dtype: torch.dtype, device) -> bool:
-        """Whether `reduce_scatter_pieces` serves tensors of `dtype` on `device` here."""
-        return self.world_size > 1 and self.topology.backend == "gloo" and torch.device(device).type == "cpu" \
-            and dtype != torch.float16
-
-    def reduce_scatter_pieces(self, output: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], what: str = "",
-                              average: bool = False, accumulate: bool = False) -> Handle:
-        """`reduce_scatter` of a flat input of world_size x output.numel() elements that is never
-        assembled: `pieces` are (offset, contiguous tensor) in offset order, not overlapping, at the
-        same offsets and sizes on every rank; what they leave uncovered counts as zero. Each piece
-        goes to its owners straight from where it lies (a gradient where autograd left it), so no
-        bucket is filled: a copy of every gradient saved. Rank r's sum (the mean with `average`)
-        lands in `output`, or is added to it with `accumulate`. gloo on CPU only (`reduces_pieces`)."""
-        n, size, me = self.world_size, output.numel(), self.rank
-        if not self.reduces_pieces(output.dtype, output.device):
-            raise CommError(f"reduce_scatter_pieces on {self.topology.backend} with {n} ranks and {output.dtype}; "
-                            "this is a zeroshard bug, please report it.")
-        seq = self._tag("reduce_scatter", n * size, output.dtype)
-        spare = self.scratch((n - 1) * size, output.dtype, output.device)
-        received = [spare[k * size : (k + 1) * size] for k in range(n - 1)]
-        peers, own, sends, recvs = self._peers(), [], [], []
-        for off, piece in pieces:
-            flat, end = piece.view(-1), off + piece.numel()
-            for c in range(off // size, min(n, -(-end // size))):
-                lo, hi = max(off, c * size), min(end, (c + 1) * size)
-                if lo >= hi:
-                    continue
-                part, at, tag = flat[lo - off : hi - off], lo - c * size, zlib.crc32(f"{seq}:{len(own) + len(sends)}".encode()) & 0x7FFFFFFF
-                if c == me:
-                    own.append((at, part))
-                    recvs += [(peer, got[at : at + part.numel()], tag) for peer, got in zip(peers, received)]
-                else:
-                    sends.append((c, part, tag))
-
-        def exchange() -> list:
-            works = [dist.irecv(out, group=self.group, group_src=peer, tag=tag) for peer, out, tag in recvs]
-            return works + [dist.isend(part, group=self.group, group_dst=peer, tag=tag) for peer, part, tag in sends]
-
-        def finish() -> None:
-            out, scale, covered = output.view(-1), (1.0 / n if average else 1.0), 0
-            for at, part in own:
-                region = out[at : at + part.numel()]
-                if accumulate:
-                    for term in [part] + [got[at : at + part.numel()] for got in received]:
-                        region.add_(term, alpha=scale)
-                    continue
-                if at > covered:
-                    out[covered:at].zero_()  # padding: no rank sends it
-                torch.add(part, received[0][at : at + part.numel()], out=region)
-                for got in received[1:]:
-                    region.add_(got[at : at + part.numel()])
-                covered = at + part.numel()
-            if not accumulate:
-                out[covered:].zero_()
-                if average:
-                    out.mul_(scale)
-            self.give_back(spare)
-
-        return self.issue("reduce_scatter", output, n * size, what, exchange, finish=finish)
-
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str = "") -> Handle:
         """Concatenate every rank's `input` into `output`; `input` may be rank r's chunk of it."""
         self.check_sizes("all_gather", output, input)
@@ -355,20 +232,6 @@ class Comm:
             mine.view(-1).copy_(input.view(-1))
         return self.issue("all_gather", input, n * size, what,
                            lambda: dist.all_gather(list(outputs), input, group=self.group, async_op=True))
-
-    def _all_gather_direct(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str) -> Handle:
-        """gloo's `all_gather_into_tensor` gathers into a new flat tensor (its input copied in)
-        and then copies every chunk out, on gloo's thread. Here this rank sends its chunk to
-        every peer and receives each peer's chunk straight into its place, `outputs[peer]`: the
-        bytes of a ring ((N-1)/N of the tensor per rank), no temporary, no copy (bench/RESULTS.md
-        has the timings)."""
-        size, mine = input.numel(), outputs[self.rank].view(-1)
-        if mine.data_ptr() != input.data_ptr():
-            mine.copy_(input.view(-1))
-        recvs = [outputs[p].view(-1) for p in self._peers()]
-        numel, tag = size * self.world_size, self._tag("all_gather", size * self.world_size, input.dtype)
-        return self.issue("all_gather", input, numel, what,
-                           lambda: self._exchange(tag, [mine] * (self.world_size - 1), recvs) if size else [])
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> Handle:
         return self.issue("broadcast", tensor, tensor.numel(), what,
