@@ -386,6 +386,7 @@ class Engine(EngineSurface):
             tier.close()
         self.activation_offload.close()  # its files go
         self.monitors.close()
+        self.comm.close()  # its intra-host copy threads (comm/cma.py)
         self.topology.destroy()
         # the engine's parts refer to each other (hooks, the ledger, the optimizer), so the process
         # groups it released stay alive, with their gloo threads and sockets, until the next cyclic

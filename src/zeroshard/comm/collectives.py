@@ -100,6 +100,7 @@ class Comm(DirectCollectives):
         self._root = root
         self.pool = pool  # a BufferPool for transient buffers, the root comm's (`on` passes it on); None: fresh ones
         self._sequence: dict[tuple, int] = {}  # direct collectives issued per group (root comm only)
+        self._channels: dict = {}  # comm/cma.py's intra-host channel per group, or None (root comm only)
         self._where = "start-up"  # set by the engine: "step 12, backward", ...
 
     @property

@@ -5,6 +5,7 @@ all-reduces the clone (twice a reduce-scatter's bytes); its `all_gather_into_ten
 into a new flat tensor and copies every chunk out. Here each rank sends each chunk straight to
 the rank that needs it and receives straight into place (bench/RESULTS.md has the timings),
 and a reduce-scatter's input may be pieces that are never assembled (`reduce_scatter_pieces`).
+Between ranks of one host the bytes go by comm/cma.py instead of gloo's TCP where they can.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.cma import CmaChannel
 from zeroshard.policies import CommError
 
 
@@ -45,14 +47,42 @@ class DirectCollectives:
         root._sequence[key] = seq + 1
         return zlib.crc32(f"{seq}:{op}:{numel}:{dtype}".encode()) & 0x7FFFFFFF
 
-    def _exchange(self, tag: int, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> list:
-        """Post one receive and one send per peer (peer order of `_peers`) with `tag`; the
-        works to wait on."""
-        works = []
-        for peer, out, inp in zip(self._peers(), recvs, sends):
-            works.append(dist.irecv(out, group=self.group, group_src=peer, tag=tag))
-            works.append(dist.isend(inp, group=self.group, group_dst=peer, tag=tag))
+    def _transfer(self, tag: int, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list:
+        """Post the (peer, tensor) sends and receives of one direct collective; the works to wait
+        on. The i-th message between two ranks is the i-th each lists for the other. Peers on this
+        host are served by comm/cma.py where it works; the others by gloo's isend / irecv (the
+        i-th message tagged `tag` for i = 0, a hash of (tag, i) after)."""
+        channel, near = self._channel(), {}
+        if channel is not None:
+            near = {p: ([t for q, t in sends if q == p], [t for q, t in recvs if q == p]) for p in channel.peers}
+        works, count = [], {}
+        for (peer, t), receive in [(r, True) for r in recvs] + [(s, False) for s in sends]:
+            if peer in near:
+                continue
+            i = count[(peer, receive)] = count.get((peer, receive), -1) + 1
+            at = tag if i == 0 else zlib.crc32(f"{tag}:{i}".encode()) & 0x7FFFFFFF
+            works.append(dist.irecv(t, group=self.group, group_src=peer, tag=at) if receive else
+                         dist.isend(t, group=self.group, group_dst=peer, tag=at))
+        if near:
+            works.append(channel.transfer(tag, {p: s for p, (s, _) in near.items() if s},
+                                          {p: r for p, (_, r) in near.items() if r}))
         return works
+
+    def _channel(self):
+        """This group's intra-host channel (comm/cma.py), probed at its first direct collective."""
+        root, key = self._root or self, (self.on_group.name, tuple(self.on_group.ranks))
+        if key not in root._channels:
+            root._channels[key] = CmaChannel.probe(self.on_group, self._tag("cma_probe", 0, torch.int64),
+                                                   self.timeout_s)
+        return root._channels[key]
+
+    def close(self) -> None:
+        """End the intra-host channels' threads (an engine's close)."""
+        root = self._root or self
+        for channel in root._channels.values():
+            if channel is not None:
+                channel.close()
+        root._channels.clear()
 
     def _reduce_scatter_direct(self, output: torch.Tensor, input: torch.Tensor, what: str,
                                average: bool) -> Handle:
@@ -81,9 +111,10 @@ class DirectCollectives:
                 out.mul_(1.0 / n)
             self.give_back(spare)
 
-        sends, tag = [chunks[p] for p in self._peers()], self._tag("reduce_scatter", input.numel(), input.dtype)
+        peers, tag = self._peers(), self._tag("reduce_scatter", input.numel(), input.dtype)
+        sends, recvs = [(p, chunks[p]) for p in peers], list(zip(peers, received))
         return self.issue("reduce_scatter", input, input.numel(), what,
-                           lambda: self._exchange(tag, sends, received) if size else [], finish=finish)
+                           lambda: self._transfer(tag, sends, recvs) if size else [], finish=finish)
 
     def reduces_pieces(self, dtype: torch.dtype, device) -> bool:
         """Whether `reduce_scatter_pieces` serves tensors of `dtype` on `device` here."""
@@ -102,7 +133,7 @@ class DirectCollectives:
         if not self.reduces_pieces(output.dtype, output.device):
             raise CommError(f"reduce_scatter_pieces on {self.topology.backend} with {n} ranks and {output.dtype}; "
                             "this is a zeroshard bug, please report it.")
-        seq = self._tag("reduce_scatter", n * size, output.dtype)
+        tag = self._tag("reduce_scatter", n * size, output.dtype)
         spare = self.scratch((n - 1) * size, output.dtype, output.device)
         received = [spare[k * size : (k + 1) * size] for k in range(n - 1)]
         peers, own, sends, recvs = self._peers(), [], [], []
@@ -112,16 +143,12 @@ class DirectCollectives:
                 lo, hi = max(off, c * size), min(end, (c + 1) * size)
                 if lo >= hi:
                     continue
-                part, at, tag = flat[lo - off : hi - off], lo - c * size, zlib.crc32(f"{seq}:{len(own) + len(sends)}".encode()) & 0x7FFFFFFF
+                part, at = flat[lo - off : hi - off], lo - c * size
                 if c == me:
                     own.append((at, part))
-                    recvs += [(peer, got[at : at + part.numel()], tag) for peer, got in zip(peers, received)]
+                    recvs += [(peer, got[at : at + part.numel()]) for peer, got in zip(peers, received)]
                 else:
-                    sends.append((c, part, tag))
-
-        def exchange() -> list:
-            works = [dist.irecv(out, group=self.group, group_src=peer, tag=tag) for peer, out, tag in recvs]
-            return works + [dist.isend(part, group=self.group, group_dst=peer, tag=tag) for peer, part, tag in sends]
+                    sends.append((c, part))
 
         def finish() -> None:
             out, scale, covered = output.view(-1), (1.0 / n if average else 1.0), 0
@@ -143,7 +170,8 @@ class DirectCollectives:
                     out.mul_(scale)
             self.give_back(spare)
 
-        return self.issue("reduce_scatter", output, n * size, what, exchange, finish=finish)
+        return self.issue("reduce_scatter", output, n * size, what, lambda: self._transfer(tag, sends, recvs),
+                          finish=finish)
 
     def _all_gather_direct(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str) -> Handle:
         """gloo's `all_gather_into_tensor` gathers into a new flat tensor (its input copied in)
@@ -154,7 +182,8 @@ class DirectCollectives:
         size, mine = input.numel(), outputs[self.rank].view(-1)
         if mine.data_ptr() != input.data_ptr():
             mine.copy_(input.view(-1))
-        recvs = [outputs[p].view(-1) for p in self._peers()]
+        peers = self._peers()
+        sends, recvs = [(p, mine) for p in peers], [(p, outputs[p].view(-1)) for p in peers]
         numel, tag = size * self.world_size, self._tag("all_gather", size * self.world_size, input.dtype)
         return self.issue("all_gather", input, numel, what,
-                           lambda: self._exchange(tag, [mine] * (self.world_size - 1), recvs) if size else [])
+                           lambda: self._transfer(tag, sends, recvs) if size else [])
