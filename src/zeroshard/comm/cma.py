@@ -11,13 +11,14 @@ project's 2-core machine: 143 MiB between two ranks in 0.036 s against 0.07 s ov
 Semantics are gloo's: a collective's `wait()` returns once this rank's receives have landed and
 every peer has copied what this rank sent, so its buffers may then be reused. The copies are done
 by one thread per channel, in the order the collectives were issued (the same on every rank, as
-the tags of comm/collectives.py already require), so no rank depends on the order in which its
+the tags of comm/direct.py already require), so no rank depends on the order in which its
 peers wait.
 
 A pair of ranks uses it only where both read each other in a probe at the group's first direct
-collective (same host, the same user, ptrace allowed: Yama's `ptrace_scope` 0, or 1 with
-`PR_SET_PTRACER`, which each rank sets for itself); other pairs keep TCP. `ZEROSHARD_CMA=0`
-turns it off.
+collective (same host, the same user, ptrace allowed: no Yama, or its `ptrace_scope` 0, or 1,
+where each rank lets any process of its user read it, `PR_SET_PTRACER_ANY`, as Open MPI does
+for the same copies); other pairs keep TCP. `ZEROSHARD_CMA=0` turns it off (and leaves the
+ptrace setting alone).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ _LIBC = None
 
 def _load() -> bool:
     """Whether this process can use cross-memory attach (Linux, libc has it, not turned off);
-    lets same-user peers read this process under Yama's ptrace_scope 1."""
+    under Yama's ptrace_scope 1 it lets processes of its user read it."""
     global _LIBC
     if not sys.platform.startswith("linux") or os.environ.get("ZEROSHARD_CMA", "1") == "0":
         return False
@@ -61,8 +62,17 @@ def _load() -> bool:
         fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
                        ctypes.c_ulong]
         _LIBC = libc
-    _LIBC.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)  # per process: a forked rank sets its own
+    if _yama_scope() == 1:  # per process (a forked rank sets its own), and only where Yama asks for it
+        _LIBC.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
     return True
+
+
+def _yama_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return 0
 
 
 def read_from(pid: int, address: int, into: torch.Tensor) -> None:
