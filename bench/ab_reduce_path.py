@@ -1,10 +1,13 @@
-"""issue 46: alternate the piecewise and the bucket path of stage 2/3's gradient reduction every step in
-one run (both ranks alike), so machine drift lands on both; medians of wall and CPU per path.
+"""issue 46: alternate two ways of moving gradients and parameters every step in one run (both
+ranks alike), so the machine's drift lands on both; medians of wall and CPU per way.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/ab_reduce_path.py zs2 150M 6
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/ab_reduce_path.py zs3 50M 8 channel
 
-Arguments: system (zs2 or zs3), model (as `zeroshard bench --model`), timed steps per path
-(after 4 untimed). The bucket path is the one NCCL and the cast / scaled reductions take."""
+Arguments: system (zs2 or zs3), model (as `zeroshard bench --model`), timed steps per way
+(after 4 untimed), and what alternates: `pieces` (default: stage 2-3 gradients reduced from
+where autograd left them, or through a filled bucket, the path NCCL and the cast / scaled
+reductions take) or `channel` (comm/cma.py's intra-host copies, or gloo's TCP)."""
 
 from __future__ import annotations
 
@@ -23,9 +26,15 @@ from zeroshard.bench.worker import DATA_TOKENS  # noqa: E402
 from zeroshard.cli.train.data import rank_batch  # noqa: E402
 from zeroshard.cli.train.model import build_model  # noqa: E402
 from zeroshard.models import synthetic_tokens  # noqa: E402
+import zeroshard.comm.direct as direct  # noqa: E402
 from zeroshard.stages.partitioned_gradients import PartitionedGradients  # noqa: E402
 
 system, model, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+way = sys.argv[4] if len(sys.argv) > 4 else "pieces"
+names = {"pieces": ("piecewise", "bucket"), "channel": ("channel", "tcp")}[way]
+channel_on = {"on": True}
+real_channel = direct.DirectCollectives._channel
+direct.DirectCollectives._channel = lambda self: real_channel(self) if channel_on["on"] else (real_channel(self), None)[1]
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -39,8 +48,9 @@ native = [list(o._piecewise) for o in pg]
 rows = {True: [], False: []}
 for s in range(4 + 2 * steps):
     mode = s % 2 == 0
+    channel_on["on"] = mode or way != "channel"
     for o, n in zip(pg, native):
-        o._piecewise = [x and mode for x in n]
+        o._piecewise = [x and (mode or way != "pieces") for x in n]
     inp, tgt = rank_batch(tokens, 4, 128, s, rank, world, 0)
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -52,5 +62,6 @@ every = [None] * world
 dist.all_gather_object(every, med)
 if rank == 0:
     for r, m in enumerate(every):
-        print(f"rank {r} {system} {model}: piecewise wall {m[True][0]:.3f} cpu {m[True][1]:.3f} | bucket wall {m[False][0]:.3f} cpu {m[False][1]:.3f} | ratio {m[True][0]/m[False][0]:.3f}")
+        print(f"rank {r} {system} {model}: {names[0]} wall {m[True][0]:.3f} cpu {m[True][1]:.3f} | "
+              f"{names[1]} wall {m[False][0]:.3f} cpu {m[False][1]:.3f} | ratio {m[True][0] / m[False][0]:.3f}")
 dist.destroy_process_group()
