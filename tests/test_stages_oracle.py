@@ -155,3 +155,31 @@ def test_a_parameter_unused_on_one_rank_reduces_as_zero_there():
     want = {k: v.detach() for k, v in ref.state_dict().items()}
     for state in run_ranks(_unused_on_one_rank_worker, WORLD, timeout=120):
         assert not sgd_close(state, want), sgd_close(state, want)[:3]
+
+
+def _sparse_embedding_worker(rank: int, world_size: int):
+    import zeroshard
+
+    out = []
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=sparse), torch.nn.Linear(8, 1))
+        engine = zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 2,
+                                              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                              "zero_optimization": {"stage": 2}})
+        for step in range(2):
+            x = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        out.append(engine.full_state_dict())
+        engine.close()
+    return out
+
+
+def test_a_sparse_embedding_gradient_reduces_as_its_dense_form():
+    """Stage 2 on gloo takes each gradient where autograd left it: an Embedding(sparse=True)
+    leaves a sparse one, which is densified there and trains as the dense embedding does."""
+    for sparse, dense in run_ranks(_sparse_embedding_worker, WORLD, timeout=120):
+        assert set(sparse) == set(dense)
+        for k in dense:
+            assert torch.allclose(sparse[k], dense[k], rtol=1e-6, atol=1e-7), k

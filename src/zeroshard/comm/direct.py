@@ -85,7 +85,7 @@ class DirectCollectives:
         root._channels.clear()
 
     def _reduce_scatter_direct(self, output: torch.Tensor, input: torch.Tensor, what: str,
-                               average: bool) -> Handle:
+                               average: bool):
         """gloo has no reduce-scatter of its own: torch's gloo `reduce_scatter_tensor` clones
         the whole input on the calling thread, all-reduces the clone (twice a reduce-scatter's
         bytes) and copies one chunk out. Here every rank sends chunk j of `input` to rank j and
@@ -122,7 +122,7 @@ class DirectCollectives:
             and dtype != torch.float16
 
     def reduce_scatter_pieces(self, output: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], what: str = "",
-                              average: bool = False, accumulate: bool = False) -> Handle:
+                              average: bool = False, accumulate: bool = False):
         """`reduce_scatter` of a flat input of world_size x output.numel() elements that is never
         assembled: `pieces` are (offset, contiguous tensor) in offset order, not overlapping, at the
         same offsets and sizes on every rank; what they leave uncovered counts as zero. Each piece
@@ -173,7 +173,7 @@ class DirectCollectives:
         return self.issue("reduce_scatter", output, n * size, what, lambda: self._transfer(tag, sends, recvs),
                           finish=finish)
 
-    def _all_gather_direct(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str) -> Handle:
+    def _all_gather_direct(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str):
         """gloo's `all_gather_into_tensor` gathers into a new flat tensor (its input copied in)
         and then copies every chunk out, on gloo's thread. Here this rank sends its chunk to
         every peer and receives each peer's chunk straight into its place, `outputs[peer]`: the

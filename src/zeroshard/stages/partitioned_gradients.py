@@ -84,8 +84,8 @@ class PartitionedGradients(_Scatter, BucketedGradients):
             if s in kept:
                 kept[s].add_(grad)  # a second gradient for the slot in the same backward
             else:
-                kept[s] = grad if grad.is_contiguous() else grad.contiguous()
-                self.memory.hold("grads", f"{self.buckets[b].key}.{s}", grad.nbytes)
+                kept[s] = grad.to_dense() if grad.is_sparse else grad.contiguous()  # (a no-op when it is)
+                self.memory.hold("grads", f"{self.buckets[b].key}.{s}", kept[s].nbytes)
             param.grad = None
             return
         if not self.contiguous:
