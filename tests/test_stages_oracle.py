@@ -161,12 +161,12 @@ def _sparse_embedding_worker(rank: int, world_size: int):
     import zeroshard
 
     out = []
-    for sparse in (True, False):
+    for sparse, zero in ((True, {}), (False, {}), (True, {"reduce_scatter": False})):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=sparse), torch.nn.Linear(8, 1))
         engine = zeroshard.initialize(model, {"train_micro_batch_size_per_gpu": 2,
                                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                              "zero_optimization": {"stage": 2}})
+                                              "zero_optimization": {"stage": 2, **zero}})
         for step in range(2):
             x = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(10 * step + rank))
             engine.backward(engine(x).square().mean())
@@ -177,9 +177,11 @@ def _sparse_embedding_worker(rank: int, world_size: int):
 
 
 def test_a_sparse_embedding_gradient_reduces_as_its_dense_form():
-    """Stage 2 on gloo takes each gradient where autograd left it: an Embedding(sparse=True)
-    leaves a sparse one, which is densified there and trains as the dense embedding does."""
-    for sparse, dense in run_ranks(_sparse_embedding_worker, WORLD, timeout=120):
-        assert set(sparse) == set(dense)
+    """An Embedding(sparse=True) leaves a sparse gradient: stage 2 densifies it where it waits
+    (gloo's piecewise reduction) or where it is copied into the bucket (the path NCCL takes,
+    here through reduce_scatter: false), and trains as the dense embedding does."""
+    for sparse, dense, bucketed in run_ranks(_sparse_embedding_worker, WORLD, timeout=120):
+        assert set(sparse) == set(dense) == set(bucketed)
         for k in dense:
             assert torch.allclose(sparse[k], dense[k], rtol=1e-6, atol=1e-7), k
+            assert torch.allclose(bucketed[k], dense[k], rtol=1e-6, atol=1e-7), k

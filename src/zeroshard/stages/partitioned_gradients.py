@@ -70,7 +70,7 @@ class PartitionedGradients(_Scatter, BucketedGradients):
         return self._full[b]
 
     def _put(self, b: int, s: int, grad: torch.Tensor) -> None:
-        slot = self.buckets[b].slots[s]
+        slot, grad = self.buckets[b].slots[s], grad.to_dense() if grad.is_sparse else grad
         view = self._buffer(b)[slot.offset : slot.end].view(slot.shape)
         if s in self._written[b]:
             view.add_(grad)  # a second gradient for the slot in the same backward
