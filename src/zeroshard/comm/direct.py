@@ -93,28 +93,11 @@ class DirectCollectives:
         ledger counts); the wait sums them with its own chunk into `output`. Same result, half
         the bytes, no copy of its own chunk. `average` divides the sum (one pass over one
         chunk); fp16 is divided before it is sent instead, as a sum of fp16 may overflow."""
-        n, size = self.world_size, output.numel()
         flat = input.view(-1)
         if average and input.dtype == torch.float16:
-            flat.mul_(1.0 / n)
+            flat.mul_(1.0 / self.world_size)
             average = False
-        chunks = [flat[p * size : (p + 1) * size] for p in range(n)]
-        spare = self.scratch((n - 1) * size, input.dtype, input.device)
-        received = [spare[k * size : (k + 1) * size] for k in range(n - 1)]
-
-        def finish() -> None:
-            out = output.view(-1)
-            torch.add(chunks[self.rank], received[0], out=out)
-            for part in received[1:]:
-                out.add_(part)
-            if average:
-                out.mul_(1.0 / n)
-            self.give_back(spare)
-
-        peers, tag = self._peers(), self._tag("reduce_scatter", input.numel(), input.dtype)
-        sends, recvs = [(p, chunks[p]) for p in peers], list(zip(peers, received))
-        return self.issue("reduce_scatter", input, input.numel(), what,
-                           lambda: self._transfer(tag, sends, recvs) if size else [], finish=finish)
+        return self._reduce_pieces(output, [(0, flat)], what, average, accumulate=False)
 
     def reduces_pieces(self, dtype: torch.dtype, device) -> bool:
         """Whether `reduce_scatter_pieces` serves tensors of `dtype` on `device` here."""
@@ -129,15 +112,21 @@ class DirectCollectives:
         goes to its owners straight from where it lies (a gradient where autograd left it), so no
         bucket is filled: a copy of every gradient saved. Rank r's sum (the mean with `average`)
         lands in `output`, or is added to it with `accumulate`. gloo on CPU only (`reduces_pieces`)."""
-        n, size, me = self.world_size, output.numel(), self.rank
         if not self.reduces_pieces(output.dtype, output.device):
-            raise CommError(f"reduce_scatter_pieces on {self.topology.backend} with {n} ranks and {output.dtype}; "
-                            "this is a zeroshard bug, please report it.")
+            raise CommError(f"reduce_scatter_pieces on {self.topology.backend} with {self.world_size} ranks and "
+                            f"{output.dtype}; this is a zeroshard bug, please report it.")
+        return self._reduce_pieces(output, pieces, what, average, accumulate)
+
+    def _reduce_pieces(self, output: torch.Tensor, pieces: list[tuple[int, torch.Tensor]], what: str,
+                       average: bool, accumulate: bool):
+        """`reduce_scatter_pieces` without its check: also the plain direct reduce-scatter, whose
+        input is one piece (`output` may then be rank r's chunk of it, in place)."""
+        n, size, me = self.world_size, output.numel(), self.rank
         tag = self._tag("reduce_scatter", n * size, output.dtype)
         spare = self.scratch((n - 1) * size, output.dtype, output.device)
         received = [spare[k * size : (k + 1) * size] for k in range(n - 1)]
         peers, own, sends, recvs = self._peers(), [], [], []
-        for off, piece in pieces:
+        for off, piece in pieces if size else []:
             flat, end = piece.view(-1), off + piece.numel()
             for c in range(off // size, min(n, -(-end // size))):
                 lo, hi = max(off, c * size), min(end, (c + 1) * size)
@@ -170,8 +159,8 @@ class DirectCollectives:
                     out.mul_(scale)
             self.give_back(spare)
 
-        return self.issue("reduce_scatter", output, n * size, what, lambda: self._transfer(tag, sends, recvs),
-                          finish=finish)
+        return self.issue("reduce_scatter", output, n * size, what,
+                          lambda: self._transfer(tag, sends, recvs) if size else [], finish=finish)
 
     def _all_gather_direct(self, outputs: list[torch.Tensor], input: torch.Tensor, what: str):
         """gloo's `all_gather_into_tensor` gathers into a new flat tensor (its input copied in)
