@@ -68,12 +68,15 @@ def _rss_mib() -> float:
 
 
 def _forward_growth(rank, world, efficient):
-    """RSS growth over each forward (MiB). Large blocks are mmap'd, so a freed one leaves RSS."""
+    """RSS growth over each forward (MiB). Large blocks are mmap'd, so a freed one leaves RSS.
+    No buffer pool: a pooled buffer stays resident whether a saved view holds it or not."""
     import ctypes
 
     import zeroshard
+    from zeroshard.partition import buffer_pool
 
     ctypes.CDLL("libc.so.6").mallopt(-3, MiB)  # M_MMAP_THRESHOLD: a full buffer is its own mapping
+    buffer_pool.MIN_BYTES = 1 << 62
     torch.manual_seed(0)
     engine = zeroshard.initialize(Net(), _config(efficient))
     growth = []

@@ -225,6 +225,7 @@ class Engine(EngineSurface):
         self.loss_scaler.update(overflow)
         self.grads.zero_grads()
         self._window_open = False
+        self.pool.end_period()  # idle pooled buffers: at most what this step had out at once
         self.heap_trim()  # free heap pages back to the system (partition/malloc_trim.py)
         self.global_steps += 1
         self.micro_steps += 1

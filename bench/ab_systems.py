@@ -1,0 +1,105 @@
+"""issue 46: the compute floor and zeroshard's stages step by step in one run, so the machine's
+drift (which moves single harness runs by 10-20 % here) lands on every system alike.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/ab_systems.py 150M 6 floor,zs2,zs3
+
+Arguments: model (as `zeroshard bench --model`), timed steps per system (after 2 untimed
+rounds), systems (comma-separated: `floor` and any `zeroshard bench` system of zeroshard's
+family). Each system has its own copy of the model (same initial weights); one step of each in
+turn, the order rotating every round. `floor` is ../shared/bench-peers' compute floor: forward and
+backward with no collectives, gradients kept in place, torch AdamW(fused) over this rank's ~1/N of
+the parameters (whole tensors, balanced by size). Prints, per rank, the median wall and CPU
+seconds per step of each system (CPU: of all the process's threads, and of the main thread
+alone; the rest is gloo's and the intra-host copy thread's; system CPU of all threads), minor
+page faults, and its ratio to the first system's median. Every system is
+resident at once: at 150M, floor + zs2 + zs3 take about 9 GiB per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, "bench")  # step_phases.build: zeroshard bench's workload and config
+import step_phases as sp  # noqa: E402
+from zeroshard.bench.command import model_spec  # noqa: E402
+from zeroshard.bench.peers import AdamW  # noqa: E402
+from zeroshard.bench.worker import DATA_TOKENS  # noqa: E402
+from zeroshard.cli.train.data import rank_batch  # noqa: E402
+from zeroshard.cli.train.model import build_model  # noqa: E402
+from zeroshard.models import synthetic_tokens  # noqa: E402
+
+
+def floor(module: torch.nn.Module, rank: int, world: int):
+    """(step function) the harness's floor over `module`."""
+    loads, mine = [0] * world, []
+    for p in sorted(module.parameters(), key=lambda p: -p.numel()):
+        r = loads.index(min(loads))
+        loads[r] += p.numel()
+        if r == rank:
+            mine.append(p)
+    opt = torch.optim.AdamW(mine, fused=True, **AdamW.kwargs())
+
+    def one(x, y):
+        module(x, y)[1].backward()
+        opt.step()
+        module.zero_grad(set_to_none=False)
+    return one
+
+
+def main() -> None:
+    model, steps = sys.argv[1], int(sys.argv[2])
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else ["floor", "zs2", "zs3"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    tm = build_model(model_spec(model))
+    tokens = synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=0)
+    runs = {}
+    for name in names:
+        mine = copy.copy(tm)
+        mine.module = copy.deepcopy(tm.module)
+        if name == "floor":
+            runs[name] = floor(mine.module, rank, world)
+        else:
+            forward, backward, step, _ = sp.build(name, mine, 4, {})
+            runs[name] = lambda x, y, f=forward, b=backward, s=step: (b(f(x, y)), s())
+    rows: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for r in range(2 + steps):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            inp, tgt = rank_batch(tokens, 4, 128, r, rank, world, 0)
+            dist.barrier()
+            u0 = resource.getrusage(resource.RUSAGE_SELF)
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+            runs[name](inp, tgt)
+            t1, c1, m1 = time.perf_counter(), time.process_time(), time.thread_time()
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            if r >= 2:
+                rows[name].append((t1 - t0, c1 - c0, m1 - m0, u1.ru_stime - u0.ru_stime, u1.ru_minflt - u0.ru_minflt))
+    med = {n: [statistics.median(x[i] for x in v) for i in range(5)] + [min(x[0] for x in v), max(x[0] for x in v)]
+           for n, v in rows.items()}
+    every = [None] * world
+    dist.all_gather_object(every, med)
+    if rank == 0:
+        print(f"{model}, {steps} steps per system, alternating; medians per rank (s), ratio to {names[0]}")
+        print("| rank | system | wall | spread | CPU, all threads | main thread | system CPU | page faults "
+              "| wall / " + names[0] + " |")
+        print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+        for r, m in enumerate(every):
+            for n in names:
+                w, c, main, sys_cpu, faults, lo, hi = m[n]
+                print(f"| {r} | {n} | {w:.3f} | {lo:.3f}-{hi:.3f} | {c:.3f} | {main:.3f} | {sys_cpu:.3f} | {faults:.0f} "
+                      f"| {w / m[names[0]][0]:.3f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
