@@ -92,3 +92,40 @@ def test_trims_after_the_first_step_then_only_when_resident_memory_grew(monkeypa
     for _ in range(5):
         trim()
     assert trim.trims == 2 and calls == [0, 0]  # step 1, and step 4 (+113 %); 94 and 205 are within 5 %
+
+
+def _top_worker(rank, world_size, trim):
+    """glibc's own malloc and free (torch's tensors would leave small blocks of their own above)."""
+    import ctypes
+
+    from zeroshard.partition.malloc_trim import HeapTrim
+
+    heap = HeapTrim(None if trim else False, host_in_use=True)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    mib = 1 << 20
+    big = libc.malloc(16 * mib)  # freeing 16 MiB moves glibc's own thresholds up, as a gathered unit does
+    libc.memset(big, 1, 16 * mib)
+    libc.free(big)
+    blocks = [0] * 200  # no list growth (a heap block) between the blocks below
+    for i in range(200):  # 1 MiB each, from the heap, at its top
+        blocks[i] = libc.malloc(mib)
+        libc.memset(blocks[i], 1, mib)
+    before = _rss()
+    for i in reversed(range(200)):  # all freed: the heap's top is 200 MiB of free space
+        libc.free(blocks[i])
+    return {"before": before, "after": _rss(), "kept": heap.top_kept}
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_the_heap_top_freed_at_the_end_of_a_step_stays_for_the_next(trim):
+    """glibc gives the free top back at the free that leaves more than M_TRIM_THRESHOLD there
+    (stage 3's end of backward), and the next step faults it all in again; with the engine's
+    trimming on, that top stays resident until zeroshard's own malloc_trim decides."""
+    (r,) = run_ranks(_top_worker, 1, trim, timeout=120)
+    mib = 1 << 20
+    if trim:
+        assert r["kept"] and r["after"] > r["before"] - 50 * mib, r
+    else:
+        assert not r["kept"] and r["after"] < r["before"] - 150 * mib, r
