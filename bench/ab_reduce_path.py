@@ -16,16 +16,11 @@ import statistics
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, "bench")  # step_phases.build: zeroshard bench's workload and config
 import step_phases as sp  # noqa: E402
-from zeroshard.bench.command import model_spec  # noqa: E402
-from zeroshard.bench.worker import DATA_TOKENS  # noqa: E402
 from zeroshard.cli.train.data import rank_batch  # noqa: E402
-from zeroshard.cli.train.model import build_model  # noqa: E402
-from zeroshard.models import synthetic_tokens  # noqa: E402
 import zeroshard.comm.direct as direct  # noqa: E402
 from zeroshard.stages.partitioned_gradients import PartitionedGradients  # noqa: E402
 
@@ -35,12 +30,7 @@ names = {"pieces": ("piecewise", "bucket"), "channel": ("channel", "tcp")}[way]
 channel_on = {"on": True}
 real_channel = direct.DirectCollectives._channel
 direct.DirectCollectives._channel = lambda self: real_channel(self) if channel_on["on"] else (real_channel(self), None)[1]
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)
-tm = build_model(model_spec(model))
-tokens = synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=0)
+rank, world, tm, tokens = sp.start(model)
 forward, backward, step, _ = sp.build(system, tm, 4, {})
 pg = [o for o in gc.get_objects() if isinstance(o, PartitionedGradients)]
 assert pg, "no PartitionedGradients"

@@ -28,12 +28,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, "bench")  # step_phases.build: zeroshard bench's workload and config
 import step_phases as sp  # noqa: E402
-from zeroshard.bench.command import model_spec  # noqa: E402
 from zeroshard.bench.peers import AdamW  # noqa: E402
-from zeroshard.bench.worker import DATA_TOKENS  # noqa: E402
 from zeroshard.cli.train.data import rank_batch  # noqa: E402
-from zeroshard.cli.train.model import build_model  # noqa: E402
-from zeroshard.models import synthetic_tokens  # noqa: E402
 
 
 def floor(module: torch.nn.Module, rank: int, world: int):
@@ -56,12 +52,7 @@ def floor(module: torch.nn.Module, rank: int, world: int):
 def main() -> None:
     model, steps = sys.argv[1], int(sys.argv[2])
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else ["floor", "zs2", "zs3"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    tm = build_model(model_spec(model))
-    tokens = synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=0)
+    rank, world, tm, tokens = sp.start(model)
     runs = {}
     for name in names:
         mine = copy.copy(tm)

@@ -60,6 +60,16 @@ class WaitClock:
         collectives.Handle.wait = wait
 
 
+def start(model: str, seed: int = 0):
+    """(rank, world, model, tokens): one torch thread, the gloo group, `zeroshard bench`'s model
+    `model` and its synthetic tokens, seeded alike on every rank (also for bench/ab_*.py)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(seed)
+    tm = build_model(model_spec(model))
+    return dist.get_rank(), dist.get_world_size(), tm, synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=seed)
+
+
 def build(system: str, tm, micro_batch: int, zero_extra: dict):
     """(forward(x, y) -> loss, backward, step, wait clock or None) for `system`: zeroshard bench's."""
     if system == "ddp":
@@ -89,12 +99,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    tm = build_model(model_spec(args.model))
-    tokens = synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=args.seed)
+    rank, world, tm, tokens = start(args.model, args.seed)
     forward, backward, step, clock = build(args.system, tm, args.micro_batch, json.loads(args.zero))
     rows = []
     for s in range(args.warmup + args.steps):

@@ -75,10 +75,11 @@ def _forward_growth(rank, world, efficient):
     import zeroshard
     from zeroshard.partition import buffer_pool
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, MiB)  # M_MMAP_THRESHOLD: a full buffer is its own mapping
     buffer_pool.MIN_BYTES = 1 << 62
     torch.manual_seed(0)
     engine = zeroshard.initialize(Net(), _config(efficient))
+    # after the engine, which fixes glibc's thresholds for its own heap trimming (malloc_trim.py)
+    ctypes.CDLL("libc.so.6").mallopt(-3, MiB)  # M_MMAP_THRESHOLD: a full buffer is its own mapping
     growth = []
     for step in range(3):
         x = _batch(step)[rank * 2:(rank + 1) * 2]

@@ -15,14 +15,15 @@ reuses device memory): of each, as many as were out at once since the last `end_
 engine calls it once per optimizer step), and at least `keep`. A step that holds every unit
 gathered from its forward to its backward (stage 3's default when the model fits
 `stage3_max_live_parameters`) gets all of them back the next step: with a fixed two, the
-other units' buffers were unmapped and faulted in again every step (150M on 2 ranks: 153,000
-page faults and 1.2 s of system CPU per step against 8,200 and 0.27 s; bench/RESULTS.md). The
+other units' buffers were unmapped and faulted in again every step (150M on 2 ranks: 108,500
+page faults and 0.78 s of system CPU per step against 590 and 0.19 s; bench/RESULTS.md). The
 pool never holds more than the step's own peak, which the step needed anyway; a one-off larger
 peak (a whole model gathered for generation) is let go at the end of the next step.
 
 A buffer is handed out again only if nothing else still uses its storage (a view autograd
 saved, a tensor a user kept, a collective's work object): its storage's use count says so; one
-still in use is dropped from the pool and left to be freed by its last user. Idle pooled bytes are held in the ledger as `comm_buffers` ("pool").
+still in use is dropped from the pool and left to be freed by its last user. Idle pooled bytes
+are held in the ledger as `comm_buffers` ("pool").
 """
 
 from __future__ import annotations

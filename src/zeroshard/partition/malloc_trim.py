@@ -14,10 +14,10 @@ While it is on, zeroshard also decides alone when the heap's free *top* goes bac
 own rule returns it at every free that leaves more than M_TRIM_THRESHOLD there (twice the mmap
 threshold, so up to 64 MiB), which stage 3 does at the end of every backward (its gradients and
 activations are freed, nothing above them stays), and the next forward faults all of it in again
-(150M stage 3 on 2 ranks: 26,000-84,000 page faults a step, against 270-4,400 with the top kept).
-So the engine fixes M_TRIM_THRESHOLD at 2 GiB and M_MMAP_THRESHOLD at 32 MiB (glibc's dynamic
-maximum, which fixing the trim threshold would otherwise freeze wherever it stood) with
-`mallopt`, once per process.
+(150M stage 3 on 2 ranks: 26,000-84,000 page faults a step, against a few hundred to 12,300
+with the top kept). So each engine fixes M_TRIM_THRESHOLD at 2 GiB and M_MMAP_THRESHOLD at
+32 MiB (glibc's dynamic maximum, which fixing the trim threshold would otherwise freeze wherever
+it stood) with `mallopt`: process-wide settings, the same values for every engine.
 
 On by default where the host is the memory being trained in (CPU training) or offloaded to;
 `zeroshard.trim_host_memory` says otherwise. Elsewhere (no glibc: musl, macOS) it is off, and
