@@ -70,8 +70,9 @@ def start(model: str, seed: int = 0):
     return dist.get_rank(), dist.get_world_size(), tm, synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=seed)
 
 
-def build(system: str, tm, micro_batch: int, zero_extra: dict):
-    """(forward(x, y) -> loss, backward, step, wait clock or None) for `system`: zeroshard bench's."""
+def build(system: str, tm, micro_batch: int, zero_extra: dict, compiled: bool = False):
+    """(forward(x, y) -> loss, backward, step, wait clock or None) for `system`: zeroshard bench's;
+    `compiled`: zeroshard's `engine.compile()` (the peer harness's PEER_COMPILE=1)."""
     if system == "ddp":
         runner = peers.build_peer(SYSTEMS["ddp"], tm.module, tm.unit_classes, micro_batch, False, torch.device("cpu"))
         def step():  # as PeerRunner.step: the update, then the gradients freed
@@ -84,12 +85,14 @@ def build(system: str, tm, micro_batch: int, zero_extra: dict):
     cfg = bench_config(SYSTEMS[system], micro_batch, False, tm.unit_classes, "")
     cfg["zero_optimization"].update(zero_extra)
     engine = zeroshard.initialize(tm.module, cfg)
+    if compiled:
+        engine.compile()
     return lambda x, y: engine(x, y)[1], engine.backward, engine.step, WaitClock()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--system", default="zs2", choices=["ddp", "zs0", "zs1", "zs2", "zs3"])
+    ap.add_argument("--system", default="zs2", choices=["ddp", "zs0", "zs1", "zs2", "zs3", "zs3_defaults"])
     ap.add_argument("--zero", default="{}", help="extra zero_optimization keys for zeroshard, as JSON")
     ap.add_argument("--trace", action="store_true", help="print every wait of the last step")
     ap.add_argument("--model", default="50M", help="as `zeroshard bench --model` (default 50M)")
