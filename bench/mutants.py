@@ -7,7 +7,7 @@ default) into a scratch folder, and for each mutant
 
   1. asserts the old text occurs exactly once in its file (a stale mutant is reported as
      STALE, never silently skipped),
-  2. writes the mutated file, runs `python -m pytest -q -x <its test files>` in the scratch
+  2. writes the mutated file, runs `python -m pytest -q -x -n 0 <its test files>` (one test at a time) in the scratch
      folder with PYTHONPATH=<scratch>/src (so the copy shadows the editable install) under
      the default markers (`not slow`, from pyproject.toml),
   3. restores the file (and checks it is byte-identical again),
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -385,7 +386,9 @@ def read_witness(witness: str, scratch: str) -> tuple[int, list[str]]:
 
 def run_tests(scratch: str, tests: tuple[str, ...], timeout: float, extra: list[str]) -> dict:
     witness = tempfile.mkdtemp(prefix="witness-", dir=scratch)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *extra, *tests]
+    # -n 0: one test at a time (the default run takes two files at once, pytest-xdist), so -x
+    # stops at the first failure and the exit code is pytest's own (xdist's stop after -x is 2)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *extra, *tests]
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=scratch, env=witness_env(scratch, witness), capture_output=True, text=True,
@@ -397,7 +400,10 @@ def run_tests(scratch: str, tests: tuple[str, ...], timeout: float, extra: list[
     procs, foreign = read_witness(witness, scratch)
     shutil.rmtree(witness, ignore_errors=True)
     tail = [line for line in out.splitlines() if line.strip()]
-    return {"rc": rc, "seconds": seconds, "procs": procs, "foreign": foreign, "summary": tail[-1] if tail else "",
+    # pytest's closing line ("1 failed, 3 passed in 9.1s"), not a plugin's warning printed after it
+    summary = next((line for line in reversed(tail) if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)|no tests ran", line)),
+                   tail[-1] if tail else "")
+    return {"rc": rc, "seconds": seconds, "procs": procs, "foreign": foreign, "summary": summary,
             "first_failure": next((line for line in tail if line.startswith(("FAILED", "ERROR"))), ""), "out": out}
 
 
