@@ -24,9 +24,10 @@ FAILED_PEER_GRACE_S = 30.0  # after a rank fails, how long the others may take t
 # start. torch._dynamo: zeroshard imports it before it makes a group (comm.topology), ~0.9 s of
 # CPU per rank otherwise (rank CPU 1.08 -> 0.17 s). GPT-2's transformers module: the suite's
 # Hugging Face ranks (oracle, generation, LoRA, export) paid ~2.3 s each for it. A module that
-# is not installed is skipped by multiprocessing.
+# is not installed is skipped by multiprocessing. frozen_heap last: it keeps the forked ranks'
+# garbage collections off the objects those imports made (each rank copied their pages).
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard.api.initialize",
-                      "transformers.models.gpt2.modeling_gpt2"]
+                      "transformers.models.gpt2.modeling_gpt2", "zeroshard.bench.frozen_heap"]
 
 __all__ = ["free_port", "from_wire", "rank_entry", "run_ranks", "start_context", "to_wire"]
 
