@@ -34,6 +34,8 @@ from checkpoint_files import assert_bit_equal, checkpoint_tensors, client_state
 from zeroshard import faults
 from zeroshard.bench.ranks import free_port
 from zeroshard.cli import launch_cmd
+from zeroshard.cli.main import main
+from zeroshard.cli.train import command as train_command
 from zeroshard.cli.train.data import rank_batch
 
 TIMEOUT_S = 600
@@ -81,9 +83,10 @@ def test_elastic_command_line_and_refusals():
 
 
 @pytest.mark.timeout(300)
-def test_a_new_world_size_keeps_the_global_batch(tmp_path):
+def test_a_new_world_size_keeps_the_global_batch(tmp_path, capsys, monkeypatch):
     """A world-2 checkpoint resumed at world 1 accumulates 2 micro-steps; at a world size that
-    cannot keep the batch, one line and exit 2."""
+    cannot keep the batch, one line and exit 2 from the launcher, before any rank starts (the
+    ranks check again: an elastic restart changes the world inside one torchrun job)."""
     first = subprocess.run(_train("--nproc", "2", "--steps", "2", "--save", "ck"), cwd=tmp_path, env=_env(),
                            capture_output=True, text=True, timeout=TIMEOUT_S)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -96,10 +99,17 @@ def test_a_new_world_size_keeps_the_global_batch(tmp_path):
     assert ("world size 1 (the checkpoint was saved at 2): gradient_accumulation_steps 2 keeps the global batch "
             "at 4 samples per step") in out, out[-2000:]
     assert client_state(tmp_path / "ck" / "global_step3")["global_batch"] == 4
-    odd = subprocess.run(_train("--nproc", "3", "--micro-batch", "1", "--steps", "4", "--save", "ck"), cwd=tmp_path,
-                         env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert odd.returncode == 2, odd.stdout[-2000:] + odd.stderr[-2000:]
-    assert "trained 4 samples per step on 1 ranks; on 3 ranks with micro-batch 1" in " ".join(odd.stderr.split())
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train_command, "run_torchrun", _no_ranks)
+    odd = main(["train", *TRAIN, "--nproc", "3", "--micro-batch", "1", "--steps", "4", "--save", "ck"])
+    err = capsys.readouterr().err
+    assert odd == 2 and err.count("\n") == 1, err
+    assert "trained 4 samples per step on 1 ranks; on 3 ranks with micro-batch 1" in err, err
+
+
+def _no_ranks(*args, **kwargs):
+    raise AssertionError("the launcher started torchrun: the batch check should have refused before any rank")
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a model is built: the launcher checks a config without it
+    from torch import nn
 
 __all__ = ["ModelSpecError", "apply_lora", "build_causal_lm", "context_length", "gather_unit_classes",
            "load_causal_lm_config"]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where tokens are made: the launcher checks --data without torch
+    import torch
 
-__all__ = ["NoTextError", "read_bytes", "text_tokens", "walk_files"]
+__all__ = ["NoTextError", "read_bytes", "text_bytes", "text_tokens", "walk_files"]
 
 MIN_BYTES = 1024  # below this a sequence window barely fits: nothing to learn from
 _SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", "venv", ".tox"}
@@ -66,6 +68,13 @@ def read_bytes(names: Iterable[str], max_bytes: int, keep: Callable[[bytes], boo
 def text_tokens(path: str | os.PathLike, max_bytes: int = 16_000_000) -> torch.Tensor:
     """The bytes of the text files at `path` (one file, or a folder walked in sorted order),
     up to `max_bytes`, as a LongTensor. Raises NoTextError naming the path when none is text."""
+    import torch
+
+    return torch.frombuffer(bytearray(text_bytes(path, max_bytes)), dtype=torch.uint8).long()
+
+
+def text_bytes(path: str | os.PathLike, max_bytes: int = 16_000_000) -> bytes:
+    """The bytes text_tokens makes its tokens of; NoTextError naming the path when none is text."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise NoTextError(f"--data {path}: no such file or folder")
@@ -77,4 +86,4 @@ def text_tokens(path: str | os.PathLike, max_bytes: int = 16_000_000) -> torch.T
         what = "file" if os.path.isfile(path) else f"folder ({len(chunks)} text file(s), {skipped} other)"
         raise NoTextError(f"--data {path}: found {total} bytes of UTF-8 text in this {what}; "
                           f"need at least {MIN_BYTES}")
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+    return b"".join(chunks)

@@ -35,6 +35,11 @@ class Precision(str, enum.Enum):
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element (dtype.itemsize, without importing torch)."""
+        return 4 if self is Precision.FP32 else 2
+
 
 class OffloadDevice(str, enum.Enum):
     NONE = "none"

@@ -14,8 +14,8 @@ import contextlib
 import os
 import sys
 
-from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, elastic_note, \
-    rank_target, run_torchrun, torchrun_command
+from zeroshard.cli.launch_cmd import add_rendezvous_arguments, check_nproc, check_rendezvous, elastic, \
+    elastic_note, rank_target, run_torchrun, torchrun_command
 from zeroshard.cli.train.args import add_train_arguments, resolve_defaults, worker_argv
 
 
@@ -64,11 +64,17 @@ def _check_config(args: argparse.Namespace) -> str | None:
     from zeroshard.config import load_config
     from zeroshard.policies import ZeroShardError
 
+    world = args.nproc * args.nnodes
     try:
-        settings = load_config(build_config(args, ["Block"]), args.nproc * args.nnodes)
+        cfg = build_config(args, ["Block"])
+        settings = load_config(cfg, world)
+        if args.save and os.path.isfile(os.path.join(args.save, "latest")) and not elastic(args):
+            from zeroshard.cli.train.resume import keep_global_batch  # reads a checkpoint: imports torch
+
+            keep_global_batch(dict(cfg), args.save, world)  # its batch at another world size: refused before any rank
     except ZeroShardError as exc:
         return str(exc)
-    return check_settings(settings, args.model, args.seq_len, args.nproc, args.nproc * args.nnodes,
+    return check_settings(settings, args.model, args.seq_len, args.nproc, world,
                           user_optimizer=wrote_optimizer(args))
 
 

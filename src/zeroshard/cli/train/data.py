@@ -4,11 +4,12 @@ sees exactly the batches the uninterrupted run would have."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from zeroshard.models import global_batch
-from zeroshard.models.corpus import stdlib_corpus
-from zeroshard.models.text import NoTextError, text_tokens
+from zeroshard.models.text import NoTextError, text_bytes, text_tokens
+
+if TYPE_CHECKING:  # the ranks' functions import it: the launcher's check_data runs without torch
+    import torch
 
 __all__ = ["NoTextError", "check_data", "load_tokens", "rank_batch"]
 
@@ -16,6 +17,8 @@ __all__ = ["NoTextError", "check_data", "load_tokens", "rank_batch"]
 def load_tokens(data: str | None, vocab_size: int) -> torch.Tensor:
     """Byte tokens of `data` (file or folder of text) or of the stdlib's source; bytes are
     folded into vocabularies smaller than 256 (the tiny preset has 64)."""
+    from zeroshard.models.corpus import stdlib_corpus
+
     tokens = text_tokens(data) if data else stdlib_corpus()
     return tokens % vocab_size if vocab_size < 256 else tokens
 
@@ -24,7 +27,7 @@ def check_data(data: str | None) -> str | None:
     if not data:
         return None
     try:
-        text_tokens(data, max_bytes=1 << 20)
+        text_bytes(data, max_bytes=1 << 20)
     except NoTextError as exc:
         return str(exc)
     return None
@@ -38,6 +41,8 @@ def rank_batch(tokens: torch.Tensor, micro: int, seq_len: int, index: int, rank:
     accumulation and world 2 accumulating 2 micro-steps train on the same rows (an elastic
     restart at a new world size keeps its data). With accumulation 1 this is the batch of
     `index` as before: rows rank*micro:(rank+1)*micro."""
+    from zeroshard.models import global_batch
+
     x, y = global_batch(tokens, micro * accumulation, seq_len, index, world, seed)
     lo = (micro_step * world + rank) * micro
     return x[lo:lo + micro], y[lo:lo + micro]

@@ -10,17 +10,17 @@ the launching process so a bad name or config fails before any rank starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from zeroshard.models import build_gpt
 from zeroshard.models.presets import GPT_PRESETS, model_choices
 from zeroshard.models.hf import (
     GPT_LORA_TARGETS, ModelSpecError, apply_lora, build_causal_lm, context_length, gather_unit_classes,
     load_causal_lm_config,
 )
+
+if TYPE_CHECKING:  # torch only where a model is built: the launcher's checks run without it (~1.5 s)
+    import torch
+    from torch import nn
 
 __all__ = ["ModelSpecError", "TrainModel", "build_model", "check_model", "default_seq_len", "model_choices",
            "model_shape"]
@@ -37,6 +37,8 @@ class TrainModel:
 
     def loss(self, engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the (x, y) windows through the engine."""
+        import torch.nn.functional as F
+
         if not self.is_hf:
             return engine(x, y)[1]
         # logits against our own shifted targets: the model's `labels=` would shift again
@@ -101,6 +103,8 @@ def default_seq_len(spec: str, wanted: int = 64) -> int:
 
 def build_model(spec: str, lora: int = 0) -> TrainModel:
     """The model `spec` names, with LoRA adapters when `lora` > 0 (weights from torch's RNG)."""
+    from zeroshard.models import build_gpt
+
     config, preset = _resolve(spec)
     if preset is None:
         module = build_causal_lm(config)

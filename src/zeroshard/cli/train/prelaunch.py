@@ -47,14 +47,16 @@ def _check_optimizer(settings) -> str | None:
 
 
 def _check_nvme(settings) -> str | None:
-    from zeroshard.offload.nvme import check_path
+    paths = [p.nvme_path for p in (settings.zero.offload_optimizer, settings.zero.offload_param) if p.device == "nvme"]
+    if not paths:
+        return None
+    from zeroshard.offload.nvme import check_path  # imports torch: only for a job that uses NVMe
 
-    for policy in (settings.zero.offload_optimizer, settings.zero.offload_param):
-        if policy.device == "nvme":
-            try:
-                check_path(policy.nvme_path)
-            except ZeroShardError as exc:
-                return str(exc)
+    for path in paths:
+        try:
+            check_path(path)
+        except ZeroShardError as exc:
+            return str(exc)
     return None
 
 
@@ -62,17 +64,19 @@ def _check_nvme_space(settings, spec: str, local_ranks: int, world_size: int) ->
     shape = model_shape(spec)
     if shape is None:
         return None
-    from zeroshard.offload.nvme import check_space
-
     phi = lower_bound_params(shape)
     per_rank = -(-phi // world_size)
     need: dict[str, int] = {}
     offload = ((settings.zero.offload_optimizer, 4),  # the fp32 master (Adam's moments not counted)
-               (settings.zero.offload_param, settings.precision.compute.dtype.itemsize))
+               (settings.zero.offload_param, settings.precision.compute.itemsize))
     for policy, nbytes in offload:
         if policy.device == "nvme":
             # one path for both: the larger alone (an fp32 run's parameter shard is its master)
             need[policy.nvme_path] = max(need.get(policy.nvme_path, 0), nbytes * per_rank)
+    if not need:
+        return None
+    from zeroshard.offload.nvme import check_space
+
     for path, nbytes in need.items():
         try:
             check_space(path, nbytes, local_ranks)  # _check_nvme has made sure it is a directory
@@ -108,7 +112,7 @@ def _check_batch_memory(settings, spec: str, seq_len: int, local_ranks: int) -> 
     from zeroshard.estimate.activations import activation_bytes
 
     micro = settings.batch.micro_batch_size
-    act_bytes = settings.precision.compute.dtype.itemsize
+    act_bytes = settings.precision.compute.itemsize
     need = activation_bytes(seq_len, micro, shape["hidden"], shape["heads"], shape["layers"], shape["vocab"],
                             flash_attention=False, act_bytes=act_bytes).total * local_ranks
     if need > free:
