@@ -19,7 +19,8 @@ from zeroshard.bench.ranks import free_port, from_wire, rank_entry, to_wire
 
 # The suite's ranks fork from one forkserver that imported torch and zeroshard once, then froze
 # that heap for the garbage collector (zeroshard.bench.frozen_heap): ~0.1 s of CPU a rank against
-# several seconds for a spawned interpreter's imports; hundreds of rank starts per run. ZEROSHARD_TEST_RANK_START=spawn gives every rank a fresh interpreter, as the benchmarks do.
+# several seconds for a spawned interpreter's imports; hundreds of rank starts per run.
+# ZEROSHARD_TEST_RANK_START=spawn gives every rank a fresh interpreter, as the benchmarks do.
 # A rank sees the caller's os.environ of the moment; what a process reads only at its start
 # (glibc's MALLOC_* variables, torch's import-time settings) needs start="spawn".
 START = os.environ.get("ZEROSHARD_TEST_RANK_START", "forkserver")

@@ -2,9 +2,9 @@
 start, pays it per launch). `zeroshard launch` does all its checks without importing torch on
 a host with no GPU driver (torchrun and the ranks import it anyway: about 1.5 s of the
 launcher's start, measured 1.85 -> 0.18 s of CPU), nor does `zeroshard train` on a GPT preset
-(1.55 -> 0.31 s); `zeroshard train` builds the optimizer
-over one element to check its hyper-parameters only when the user wrote them (building a
-torch optimizer imports torch._dynamo: 2.5 -> 1.6 s of CPU). Each check runs in a fresh
+(1.55 -> 0.31 s); `zeroshard train` builds the optimizer over one element to check its
+hyper-parameters only when the user wrote them (building a torch optimizer imports
+torch._dynamo: 2.5 -> 1.6 s of CPU). Each check runs in a fresh
 interpreter, so what it imported is what the launcher imported."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from zeroshard.cli.devices import DRIVER_NODES, cuda_device_count
 NO_DRIVER = not any(os.path.exists(node) for node in DRIVER_NODES)
 
 
-def _launcher(tmp_path, argv: list[str], modules: list[str], started: bool = False) -> tuple[int, dict[str, bool], str]:
+def _launcher(tmp_path, argv: list[str], modules: list[str],
+              started: bool = False) -> tuple[int, dict[str, bool], str]:
     """zeroshard's CLI with `argv` in a fresh interpreter: (exit code, {module: imported}, stderr).
     `started`: torchrun is not started; the launcher's call to start it exits 0 (it reached the ranks)."""
     stub = ("from zeroshard.cli.train import command\n"
