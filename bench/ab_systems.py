@@ -38,19 +38,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, "bench")  # step_phases.build: zeroshard bench's workload and config
 import step_phases as sp  # noqa: E402
-from zeroshard.bench.peers import AdamW  # noqa: E402
+from zeroshard.bench.peers import AdamW, floor_share  # noqa: E402
 from zeroshard.cli.train.data import rank_batch  # noqa: E402
 
 
 def floor(module: torch.nn.Module, rank: int, world: int):
-    """(step function) the harness's floor over `module`."""
-    loads, mine = [0] * world, []
-    for p in sorted(module.parameters(), key=lambda p: -p.numel()):
-        r = loads.index(min(loads))
-        loads[r] += p.numel()
-        if r == rank:
-            mine.append(p)
-    opt = torch.optim.AdamW(mine, fused=True, **AdamW.kwargs())
+    """(step function) the harness's floor over `module` (`zeroshard bench`'s `floor` system)."""
+    opt = torch.optim.AdamW(floor_share(module, rank, world), fused=True, **AdamW.kwargs())
 
     def one(x, y):
         module(x, y)[1].backward()

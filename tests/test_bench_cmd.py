@@ -62,6 +62,7 @@ def test_runs_every_system_with_a_progress_line_and_a_table(bench):
     for i, name in enumerate(systems, 1):
         assert f"[{i}/{len(systems)}] 10m {name}: running" in stdout
     assert "zeroshard bench: 10m (Phi = 10,795,008)" in stdout
+    assert "where a step goes: 10m, rank 0" in stdout  # the breakdown of each system's step
     assert (out / "bench.png").stat().st_size > 0
     assert run["phi"] == 10_795_008
     for row in run["rows"].values():
@@ -140,7 +141,12 @@ def test_phases_are_inside_each_measured_step(bench):
         ph = row["phases_s"]
         assert all(len(ph[k]) == STEPS for k in ("fwd", "bwd", "opt"))
         for i, t in enumerate(row["step_time_s"]["steps"]):
-            assert 0 < ph["fwd"][i] + ph["bwd"][i] + ph["opt"][i] <= t
+            assert 0 < ph["fwd"][i] + ph["bwd"][i] + ph["opt"][i] <= ph["step"][i] <= t
+        # zeroshard's rows: the seconds rank 0 was blocked on collectives, inside those phases
+        waits = [k for k in ph if k.endswith("_wait")]
+        assert len(waits) == (5 if row["system"].startswith("zs") else 0), (row["system"], waits)
+        for k in waits:
+            assert all(w >= 0 for w in ph[k])
 
 
 def test_without_matplotlib_the_png_is_skipped_and_said(bench, tmp_path, monkeypatch):

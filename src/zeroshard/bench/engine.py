@@ -18,6 +18,11 @@ from zeroshard.comm import PAPER_FACTOR
 
 __all__ = ["EngineRunner", "bench_config", "unit_numel"]
 
+# what each collective is for, in the step's breakdown: reductions (gradients, the gradient norm,
+# qgZ's all-to-all) and gathers (parameters)
+_REDUCE = ("reduce_scatter", "all_reduce", "all_to_all")
+_GATHER = ("all_gather", "broadcast")
+
 
 def unit_numel(module: nn.Module, unit_classes: list[str]) -> int:
     """Elements of the largest module of `unit_classes` (a stage-3 unit): what `"{unit}"` means."""
@@ -37,7 +42,9 @@ def bench_config(system: BenchSystem, micro_batch: int, bf16: bool, unit_classes
 
 class EngineRunner:
     """Same surface as `bench.peers.PeerRunner` (`phases`: the last step's forward, backward and
-    optimizer-step seconds), plus the ledgers."""
+    optimizer-step seconds), plus the ledgers and `waits`: the seconds of the last step this
+    rank's host was blocked in a collective's wait (the ledger's `waited`), in each phase and by
+    kind (exposed reductions and gathers); None where a wait does not block the host (NCCL)."""
 
     def __init__(self, system: BenchSystem, module: nn.Module, unit_classes: list[str], micro_batch: int,
                  bf16: bool, scratch: str) -> None:
@@ -46,15 +53,28 @@ class EngineRunner:
         self.module = self.engine.module
         self.topology = self.engine.topology
         self.phases = (0.0, 0.0, 0.0)
+        self.waits: dict[str, float] | None = None
+
+    def _waited(self) -> tuple[float, float]:
+        """(reductions, gathers): seconds blocked in wait() since the engine's ledger was made."""
+        life = self.engine.comm.ledger.lifetime()
+        return sum(life[op]["waited"] for op in _REDUCE), sum(life[op]["waited"] for op in _GATHER)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        t0 = time.perf_counter()
+        w0, t0 = self._waited(), time.perf_counter()
         loss = self.engine(x, y)[1]
-        t1 = time.perf_counter()
+        w1, t1 = self._waited(), time.perf_counter()
         self.engine.backward(loss)
-        t2 = time.perf_counter()
+        w2, t2 = self._waited(), time.perf_counter()
         self.engine.step()
-        self.phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        t3, w3 = time.perf_counter(), self._waited()
+        self.phases = (t1 - t0, t2 - t1, t3 - t2)
+        if self.engine.comm.stream_ordered:
+            self.waits = None
+        else:
+            each = [(b[0] - a[0], b[1] - a[1]) for a, b in ((w0, w1), (w1, w2), (w2, w3))]
+            self.waits = {"fwd_wait": sum(each[0]), "bwd_wait": sum(each[1]), "opt_wait": sum(each[2]),
+                          "reduce_wait": w3[0] - w0[0], "gather_wait": w3[1] - w0[1]}
         return float(loss.detach().float())
 
     def start_window(self) -> None:

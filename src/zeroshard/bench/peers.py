@@ -1,7 +1,7 @@
 """The systems `zeroshard bench` compares zeroshard with, each built as its users build it:
 DDP, DDP + ZeroRedundancyOptimizer, FSDP2 (`fully_shard`) and DeepSpeed (optional, never a
-zeroshard dependency). Their own collectives are theirs; this module only builds them,
-steps them and counts the tensors they hold.
+zeroshard dependency); and the compute floor none of them can beat (`FloorRunner`). Their own
+collectives are theirs; this module only builds them, steps them and counts the tensors they hold.
 
 Every runner has the same surface: `step(x, y) -> loss` (forward, backward, optimizer step,
 gradients cleared; `phases` then holds the three parts' seconds), `module`, `model_states()`
@@ -22,8 +22,8 @@ from torch import nn
 
 from zeroshard.bench.systems import BenchSystem
 
-__all__ = ["AdamW", "FSDP2Runner", "PeerRunner", "TensorCount", "build_peer", "ddp", "deepspeed_engine", "fsdp2",
-           "zero_redundancy"]
+__all__ = ["AdamW", "FSDP2Runner", "FloorRunner", "PeerRunner", "TensorCount", "build_peer", "ddp", "deepspeed_engine",
+           "floor_share", "fsdp2", "zero_redundancy"]
 
 
 class AdamW:
@@ -178,6 +178,32 @@ class FSDP2Runner(PeerRunner):
         return at_rest
 
 
+def floor_share(module: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
+    """This rank's whole parameters of a balanced split of `module`'s by size (the largest first,
+    each to the least loaded rank), as ../shared/bench-peers' floor splits them: ~1/N of the
+    elements per rank, no tensor cut."""
+    loads, mine = [0] * world, []
+    for p in sorted(module.parameters(), key=lambda p: -p.numel()):
+        r = loads.index(min(loads))
+        loads[r] += p.numel()
+        if r == rank:
+            mine.append(p)
+    return mine
+
+
+class FloorRunner(PeerRunner):
+    """The compute floor: the module itself (no wrapper, no hook, no collective), AdamW over this
+    rank's `floor_share`, every gradient kept in place between steps (zeroed, not freed), as a
+    flat gradient buffer keeps it. Its losses drift from the others' after the first step (each
+    rank trains on its own rows and updates only its share): only its time and memory mean
+    anything. `waits` is zero by construction: it never waits on a peer."""
+
+    waits = {"fwd_wait": 0.0, "bwd_wait": 0.0, "opt_wait": 0.0, "reduce_wait": 0.0, "gather_wait": 0.0}
+
+    def _clear_grads(self) -> None:
+        self.module.zero_grad(set_to_none=False)
+
+
 class DeepSpeedRunner(PeerRunner):
     def forward(self, x, y) -> torch.Tensor:
         return self.wrapper(x, y)[1]
@@ -230,6 +256,12 @@ def build_peer(system: BenchSystem, module: nn.Module, unit_classes: list[str], 
                bf16: bool, device: torch.device) -> PeerRunner:
     """The peer `system` over `module` (already on every rank with the same weights)."""
     module.to(device)
+    if system.family == "floor":
+        import torch.distributed as dist
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        opt = torch.optim.AdamW(floor_share(module, rank, world), fused=True, **AdamW.kwargs())
+        return FloorRunner(module, module, opt, autocast=bf16)
     if system.family in ("ddp", "zero1_torch"):
         wrapper = ddp(module, gradient_as_bucket_view=True)
         if system.family == "ddp":

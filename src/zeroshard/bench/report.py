@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from zeroshard.bench.answers import answers
-from zeroshard.bench.results import MiB
+from zeroshard.bench.results import PHASES, MiB, phase_breakdown
 
-__all__ = ["add_report", "print_report", "system_table", "write_outputs"]
+__all__ = ["add_report", "phase_table", "print_report", "system_table", "write_outputs"]
 
 def add_report(result: dict[str, Any]) -> dict[str, Any]:
     """Each model's `report`: the explainer's questions answered from its rows."""
@@ -38,10 +37,22 @@ def _states(row: dict) -> str:
     return f"{_m(s['params'])}/{_m(s['grads'])}/{_m(s['optimizer_states'])}{peak}"
 
 
-def _phases(row: dict) -> str:
-    """Medians of rank 0's forward / backward / optimizer-step seconds."""
-    ph = row.get("phases_s")
-    return "/".join(f"{statistics.median(ph[k]):.3f}" for k in ("fwd", "bwd", "opt")) if ph else "-"
+def phase_table(run: dict[str, Any]) -> Table:
+    """Where rank 0's step goes, one row per system (`results.phase_breakdown`), beside the
+    compute floor's when it ran."""
+    rows = run["rows"]
+    floor = rows.get("floor")
+    table = Table(title=f"where a step goes: {run['model']}, rank 0, seconds (medians over the measured steps)",
+                  title_justify="left")
+    for col in ("system", "step", "forward", "backward", "exposed reduce", "exposed gather", "optimizer", "other",
+                "step x floor"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    base = phase_breakdown(floor)["step"] if floor else None
+    for name, row in rows.items():
+        b = phase_breakdown(row)
+        cells = ["-" if b[k] is None else f"{b[k]:.3f}" for k in PHASES]
+        table.add_row(name, *cells, f"{b['step'] / base:.3f}" if base else "-")
+    return table
 
 
 def _peer_phi(row: dict) -> str:
@@ -54,7 +65,7 @@ def _peer_phi(row: dict) -> str:
 def system_table(run: dict[str, Any]) -> Table:
     rows, ratios, loss = run["rows"], run["ratios"], run["loss_max_abs_diff_vs_ddp"]
     table = Table(title=f"zeroshard bench: {run['model']} (Phi = {run['phi'] or 0:,})", title_justify="left")
-    for col in ("system", "step s median (min-max)", "x DDP", "fwd/bwd/opt s r0", "tokens/s", "peak RSS MiB per rank",
+    for col in ("system", "step s median (min-max)", "x DDP", "x floor", "tokens/s", "peak RSS MiB per rank",
                 "model states MiB r0 P/G/O", "tiers MiB dev/host/nvme", "comm Phi/step", "sent MiB/step",
                 "|loss-DDP| max"):
         table.add_column(col, justify="left" if col == "system" else "right")
@@ -64,7 +75,8 @@ def system_table(run: dict[str, Any]) -> Table:
         table.add_row(
             name, f"{st['median']:.3f} ({st['min']:.3f}-{st['max']:.3f})",
             f"{ratios[f'{name}/ddp']:.3f}" if f"{name}/ddp" in ratios else ("1.000" if name == "ddp" else "-"),
-            _phases(row), f"{row['tokens_per_s']:,.0f}", "/".join(f"{m:,.0f}" for m in row["peak_rss_mib"]), _states(row),
+            f"{ratios[f'{name}/floor']:.3f}" if f"{name}/floor" in ratios else ("1.000" if name == "floor" else "-"),
+            f"{row['tokens_per_s']:,.0f}", "/".join(f"{m:,.0f}" for m in row["peak_rss_mib"]), _states(row),
             "/".join(_m(led["memory"][0][f"tier_{t}"]) for t in ("device", "host", "nvme")) if led else "-",
             f"{led['phi_per_step']:.3f}" if led else _peer_phi(row),
             f"{led['sent_bytes_per_step'] / MiB:,.1f}" if led else "-",
@@ -86,8 +98,15 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
                       "simultaneous peak over the measured steps); peers counted from their real tensors after "
                       "a backward and after a step (FSDP2's peak adds its unsharded parameters, gradients and "
                       "collective buffers, sampled in that untimed step). comm: zeroshard's comm_stats() per measured "
-                      "step; FSDP2's collectives counted in its untimed step (~); other peers' not counted. Phases: "
-                      "rank 0's forward, backward, optimizer step.", highlight=False, style="dim")
+                      "step; FSDP2's collectives counted in its untimed step (~); other peers' not counted. floor: "
+                      "no collectives, the optimizer over 1/N of the parameters (its losses are not a training run's).",
+                      highlight=False, style="dim")
+        console.print(phase_table(run))
+        console.print("forward, backward, optimizer: without the seconds rank 0 was blocked on a collective in "
+                      "them; exposed reduce / gather: those seconds (the communication that did not overlap; "
+                      "zeroshard's ledger; a peer's are inside its phases: -); other: the rest of the step "
+                      "(from the barrier). Each column is a median, so they need not add up exactly.",
+                      highlight=False, style="dim")
         if run["ratios"]:
             console.print("ratios of median step times: " + ", ".join(f"{k} {v:.3f}" for k, v in run["ratios"].items()),
                           highlight=False)

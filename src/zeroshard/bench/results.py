@@ -4,8 +4,10 @@ over plain dicts (what the JSON holds), so tests can recompute every figure.
 
 Step time: per step the slowest rank's time (barrier to end of optimizer step); median,
 min and max over the measured steps. Tokens/s: tokens of one global batch / median.
-Phases: rank 0's forward, backward and optimizer-step seconds of each measured step. With
---rounds, a system's rows of every round are pooled into one (`pool_rounds`).
+Phases: rank 0's forward, backward and optimizer-step seconds of each measured step, its own
+step time, and for zeroshard and the floor the seconds it was blocked on collectives in each
+(`phase_breakdown`: where rank 0's step goes, beside the compute floor's). With --rounds, a
+system's rows of every round are pooled into one (`pool_rounds`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,16 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["MiB", "PAIRS", "formula_bytes", "loss_agreement", "merge_ranks", "pool_rounds", "ratios", "stage_phi"]
+__all__ = ["BASELINES", "MiB", "PAIRS", "PHASES", "formula_bytes", "loss_agreement", "merge_ranks", "phase_breakdown",
+           "pool_rounds", "ratios", "stage_phi"]
 
 MiB = 2**20
+
+# every row's median step time over each of these, where it ran: the compute floor and DDP
+BASELINES = ("floor", "ddp")
+# the columns of `phase_breakdown`, in the order they are shown
+PHASES = ("step", "forward", "backward", "exposed_reduce", "exposed_gather", "optimizer", "other")
+_WAITS = ("fwd_wait", "bwd_wait", "opt_wait", "reduce_wait", "gather_wait")
 
 # ratios of median step times worth reading beside "x DDP": (system, baseline)
 PAIRS = (("zs2", "ds2"), ("zs3", "fsdp2"), ("zs3", "ds3"), ("zs2_offload", "zs2"), ("zs3_offload", "zs3"),
@@ -66,6 +75,10 @@ def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) 
         "losses": losses, "init_s": r0["init_s"],
         "phases_s": {k: [p[i] for p in r0["phases_s"][warm:]] for i, k in enumerate(("fwd", "bwd", "opt"))},
     }
+    row["phases_s"]["step"] = r0["step_times_s"][warm:]
+    waits = r0.get("waits_s", [])[warm:]
+    if waits and all(w is not None for w in waits):
+        row["phases_s"].update({k: [w[k] for w in waits] for k in _WAITS})
     if "peer_peak" in r0:
         row["peer_peak"] = [r["peer_peak"] for r in per_rank]
     if "ledgers" in r0:
@@ -79,11 +92,14 @@ def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) 
 
 
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Median step time of a row over another's: every row over DDP, then PAIRS."""
+    """Median step time of a row over another's: every row over each of BASELINES that ran (DDP
+    over the floor too), then PAIRS."""
     med = {name: row["step_time_s"]["median"] for name, row in rows.items()}
     out = {}
-    if "ddp" in med:
-        out.update({f"{name}/ddp": m / med["ddp"] for name, m in med.items() if name != "ddp"})
+    for base in BASELINES:
+        if base in med:
+            out.update({f"{name}/{base}": m / med[base] for name, m in med.items()
+                        if name not in BASELINES or BASELINES.index(name) > BASELINES.index(base)})
     for a, b in PAIRS:
         if a in med and b in med and f"{a}/{b}" not in out:
             out[f"{a}/{b}"] = med[a] / med[b]
@@ -91,12 +107,39 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def loss_agreement(rows: dict[str, dict[str, Any]], reference: str = "ddp") -> dict[str, float]:
-    """Largest |loss - reference loss| over all steps, per row (the global-batch mean loss)."""
+    """Largest |loss - reference loss| over all steps, per row (the global-batch mean loss); not
+    the floor's, which is not a training run after its first step (bench.peers.FloorRunner)."""
     if reference not in rows:
         return {}
     ref = rows[reference]["losses"]
     return {name: max(abs(a - b) for a, b in zip(row["losses"], ref))
-            for name, row in rows.items() if name != reference}
+            for name, row in rows.items() if name not in (reference, "floor")}
+
+
+def phase_breakdown(row: dict[str, Any]) -> dict[str, float | None]:
+    """Where rank 0's step goes (seconds, each the median over the measured steps, so they need
+    not add up exactly): its own step time from the barrier; forward, backward and optimizer step
+    without the time blocked on collectives in each; that blocked time by kind, reductions and
+    gathers (the communication that did not overlap: zeroshard's ledger, and 0 for the floor);
+    and the rest of the step (loss read-out, hand-offs). A peer's collectives are its own: its
+    exposed columns are None and its phases include them."""
+    ph = row["phases_s"]
+    steps = range(len(ph["fwd"]))
+    known = all(k in ph for k in _WAITS)
+    zero = [0.0] * len(ph["fwd"])
+    w = {k: ph[k] if known else zero for k in _WAITS}
+    per_step = {
+        "step": ph.get("step", [ph["fwd"][i] + ph["bwd"][i] + ph["opt"][i] for i in steps]),
+        "forward": [ph["fwd"][i] - w["fwd_wait"][i] for i in steps],
+        "backward": [ph["bwd"][i] - w["bwd_wait"][i] for i in steps],
+        "exposed_reduce": w["reduce_wait"], "exposed_gather": w["gather_wait"],
+        "optimizer": [ph["opt"][i] - w["opt_wait"][i] for i in steps],
+    }
+    per_step["other"] = [per_step["step"][i] - ph["fwd"][i] - ph["bwd"][i] - ph["opt"][i] for i in steps]
+    out: dict[str, float | None] = {k: statistics.median(v) if v else None for k, v in per_step.items()}
+    if not known:
+        out["exposed_reduce"] = out["exposed_gather"] = None
+    return out
 
 
 def pool_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:

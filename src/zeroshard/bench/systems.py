@@ -4,8 +4,10 @@ One entry per system. A zeroshard mode is its ZeRO stage and the `zero_optimizat
 keys it adds to the shared config, so a new mode (NVMe, ZeRO++) is one line in
 `SYSTEMS`; `{dir}` in a value is replaced by a scratch folder made for that run, and a
 value `"{unit}"` by the element count of the model's largest stage-3 unit (a Block).
-Peers (DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed) are named by family and stage and
-built by `bench.peers`.
+Peers (DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed) and the compute floor (`floor`: each
+rank's own forward and backward with no collective at all, the optimizer over 1/N of the
+parameters: the step time no sharded data-parallel system can beat on the machine) are named by
+family and stage and built by `bench.peers`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's reduce/allgather_bucket_size defau
 @dataclass(frozen=True)
 class BenchSystem:
     name: str
-    family: str  # "zeroshard" | "ddp" | "zero1_torch" | "fsdp2" | "deepspeed"
+    family: str  # "zeroshard" | "floor" | "ddp" | "zero1_torch" | "fsdp2" | "deepspeed"
     stage: int  # ZeRO stage (DDP 0, ZeroRedundancyOptimizer 1, FSDP2 3)
     description: str
     zero: dict[str, Any] = field(default_factory=dict)  # keys added to zero_optimization
@@ -71,6 +73,9 @@ def _zs(name: str, stage: int, description: str, default: bool = True, **zero) -
 
 
 SYSTEMS: dict[str, BenchSystem] = {s.name: s for s in (
+    BenchSystem("floor", "floor", 0, "the compute floor: forward and backward with no collectives, AdamW(fused) over "
+                "this rank's 1/N of the parameters, gradients kept in place (no system that shards data can be faster)",
+                default=True),
     BenchSystem("ddp", "ddp", 0, "torch DistributedDataParallel, AdamW(fused)", default=True),
     BenchSystem("zero1_torch", "zero1_torch", 1, "DDP + torch ZeroRedundancyOptimizer(AdamW(fused))"),
     BenchSystem("fsdp2", "fsdp2", 3, "torch FSDP2: fully_shard on each layer and the root, AdamW(fused)",

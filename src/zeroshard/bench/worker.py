@@ -6,7 +6,8 @@ JOB.json says the system, model, steps and shapes. Every system gets the same mo
 seed, built on every rank), the same batches (rank r's rows of each global batch), the same
 optimizer and threads. Each step is timed on every rank from a barrier (issued through
 zeroshard's comm layer on a ledger of the harness's own) to the end of its optimizer step, and
-its forward, backward and optimizer step apart (the runner's `phases`).
+its forward, backward and optimizer step apart (the runner's `phases`), with the seconds a
+zeroshard rank was blocked on its collectives in each (the runner's `waits`).
 Peak RSS is the kernel's high-water mark over the measured steps (reset at the first one).
 Each rank writes `rank<r>.json` beside JOB.json; `bench.results` merges them.
 """
@@ -96,7 +97,7 @@ def _measure(job: dict) -> tuple[dict, object]:
     barrier = _Barrier(topology)
     tokens = synthetic_tokens(DATA_TOKENS, tm.vocab_size, seed=job["seed"])
     warmup, steps = job["warmup"], job["steps"]
-    times, phases, losses, reset_ok = [], [], [], False
+    times, phases, waits, losses, reset_ok = [], [], [], [], False
     for i in range(warmup + steps):
         x, y = rank_batch(tokens, job["micro_batch"], job["seq_len"], i, rank, world, job["seed"])
         x, y = x.to(topology.device), y.to(topology.device)
@@ -109,8 +110,9 @@ def _measure(job: dict) -> tuple[dict, object]:
         losses.append(runner.step(x, y))
         times.append(time.perf_counter() - t0)
         phases.append(runner.phases)
+        waits.append(getattr(runner, "waits", None))  # zeroshard's and the floor's; peers' are inside their phases
     out = {"system": job["system"], "rank": rank, "world_size": world, "phi": phi, "label": tm.label,
-           "threads": torch.get_num_threads(), "init_s": init_s, "step_times_s": times, "phases_s": phases, "losses": losses,
+           "threads": torch.get_num_threads(), "init_s": init_s, "step_times_s": times, "phases_s": phases, "waits_s": waits, "losses": losses,
            "warmup": warmup, "peak_rss_kib": _status_kib("VmHWM"), "peak_rss_reset": reset_ok,
            "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     if hasattr(runner, "ledgers"):

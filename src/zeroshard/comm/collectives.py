@@ -40,6 +40,7 @@ class Handle:
         if self._done:
             return
         self._done = True
+        entered = time.perf_counter()
         try:
             if self._comm.stream_ordered:
                 # NCCL: a plain wait() orders the current CUDA stream after the collective and
@@ -59,6 +60,10 @@ class Handle:
                 totals.seconds += elapsed
         if self._finish is not None:
             self._finish()
+        if self._works:
+            blocked = time.perf_counter() - entered
+            for totals in self._totals:
+                totals.waited += blocked
 
     def then(self, step: Callable[[], None]) -> "Handle":
         """Run `step` on wait, after the work already attached (e.g. a second hop that needs

@@ -4,6 +4,10 @@
 counts); `sent_bytes` is what this rank puts on the wire for a ring algorithm:
 all-reduce 2(N-1)/N, reduce-scatter, all-gather and all-to-all (N-1)/N of the full
 tensor, broadcast the whole tensor (a pipelined chain forwards it once per rank).
+`seconds` is each call's time from issue to the end of its wait; `waited` the time this
+rank's host was blocked in `wait()` (its finishing work included): the communication that
+did not overlap with anything. Where a wait only orders a CUDA stream (NCCL), the host does
+not block and `waited` stays near 0 whatever the GPU does.
 
 `bytes` is the full tensor as it travels: for a quantized collective the int8 / int4
 payload plus its fp32 scales (`wire_bytes`), not dtype x elements. Each call is also
@@ -44,6 +48,7 @@ class OpTotals:
     bytes: int = 0
     sent_bytes: int = 0
     seconds: float = 0.0
+    waited: float = 0.0
 
 
 class CommLedger:
@@ -75,14 +80,14 @@ class CommLedger:
         self._scoped = {scope: {op: OpTotals() for op in COLLECTIVES} for scope in SCOPES}
 
     def stats(self, by_scope: bool = False) -> dict:
-        """{op: {calls, elements, bytes, sent_bytes, seconds}}; with `by_scope`,
+        """{op: {calls, elements, bytes, sent_bytes, seconds, waited}}; with `by_scope`,
         {"intra_node": {op: ...}, "inter_node": {op: ...}} with the same fields."""
         if by_scope:
             return {scope: {op: asdict(t) for op, t in ops.items()} for scope, ops in self._scoped.items()}
         return {op: asdict(t) for op, t in self._totals.items()}
 
     def lifetime(self) -> dict:
-        """{op: {calls, elements, bytes, sent_bytes, seconds}} since the ledger was made (never reset)."""
+        """{op: {calls, elements, bytes, sent_bytes, seconds, waited}} since the ledger was made (never reset)."""
         return {op: asdict(t) for op, t in self._lifetime.items()}
 
     def paper_elements(self) -> int:
