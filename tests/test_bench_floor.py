@@ -1,7 +1,8 @@
 """`zeroshard bench`'s compute floor and its step breakdown (issue 46): the floor's optimizer over
 a balanced 1/N of the parameters with its gradients kept in place, the ledger's `waited` (the
 seconds a rank's host was blocked in a collective's wait, not the collective's whole time), and
-where rank 0's step goes (`phase_breakdown`), here from the worker's own `run_job` on 2 ranks."""
+where a step goes on the rank that set its time (`merge_ranks`, `phase_breakdown`), here also from
+the worker's own `run_job` on 2 ranks."""
 
 from __future__ import annotations
 
@@ -88,6 +89,23 @@ def test_phase_breakdown_takes_the_blocked_seconds_out_of_each_phase():
     assert got["forward"] == pytest.approx(1.1) and got["backward"] == pytest.approx(2.0)
 
 
+def _rank_file(rank: int, steps: list[float], fwd: list[float], waited: list[float]) -> dict:
+    return {"system": "zs2", "rank": rank, "world_size": 2, "phi": 10, "threads": 1, "init_s": 0.0, "warmup": 1,
+            "step_times_s": steps, "phases_s": [(f, 0.1, 0.1) for f in fwd], "losses": [1.0] * len(steps),
+            "waits_s": [{"fwd_wait": w, "bwd_wait": 0.0, "opt_wait": 0.0, "reduce_wait": 0.0, "gather_wait": w}
+                        for w in waited],
+            "peak_rss_kib": 1024, "peak_rss_reset": True, "model_states": {}}
+
+
+def test_each_steps_phases_are_the_slowest_ranks():
+    # rank 1 sets step 1's time and rank 0 step 2's; the faster rank's wait is time it idled for the other
+    r0 = _rank_file(0, [9.0, 1.0, 1.6], [9.0, 0.9, 1.4], [0.0, 0.4, 0.1])
+    r1 = _rank_file(1, [9.0, 1.2, 1.5], [9.0, 1.0, 1.3], [0.0, 0.1, 0.3])
+    ph = merge_ranks([r1, r0], micro_batch=1, seq_len=1)["phases_s"]
+    assert ph["rank"] == [1, 0] and ph["step"] == [1.2, 1.6] and ph["fwd"] == [1.0, 1.4]
+    assert ph["fwd_wait"] == [0.1, 0.1] and ph["gather_wait"] == [0.1, 0.1]
+
+
 def _job_worker(rank: int, world: int):
     from zeroshard.bench.worker import run_job
 
@@ -103,6 +121,7 @@ def test_the_worker_measures_the_floor_and_zeroshards_exposed_communication():
         row = merge_ranks([r[name] for r in ranks], micro_batch=2, seq_len=16)
         ph, got = row["phases_s"], phase_breakdown(row)
         assert len(ph["step"]) == 2 and all(w is not None for w in ranks[0][name]["waits_s"])
+        assert ph["step"] == row["step_time_s"]["steps"]  # the rank that set each step's time
         for i, step in enumerate(ph["step"]):
             assert ph["fwd"][i] + ph["bwd"][i] + ph["opt"][i] <= step
             for phase in ("fwd", "bwd", "opt"):

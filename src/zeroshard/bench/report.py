@@ -38,11 +38,12 @@ def _states(row: dict) -> str:
 
 
 def phase_table(run: dict[str, Any]) -> Table:
-    """Where rank 0's step goes, one row per system (`results.phase_breakdown`), beside the
-    compute floor's when it ran."""
+    """Where a step goes, on the rank that set each step's time, one row per system
+    (`results.phase_breakdown`), beside the compute floor's when it ran."""
     rows = run["rows"]
     floor = rows.get("floor")
-    table = Table(title=f"where a step goes: {run['model']}, rank 0, seconds (medians over the measured steps)",
+    table = Table(title=f"where a step goes: {run['model']}, the slowest rank of each step, seconds (medians over the "
+                  "measured steps)",
                   title_justify="left")
     for col in ("system", "step", "forward", "backward", "exposed reduce", "exposed gather", "optimizer", "other",
                 "step x floor"):
@@ -102,7 +103,7 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
                       "no collectives, the optimizer over 1/N of the parameters (its losses are not a training run's).",
                       highlight=False, style="dim")
         console.print(phase_table(run))
-        console.print("forward, backward, optimizer: without the seconds rank 0 was blocked on a collective in "
+        console.print("forward, backward, optimizer: without the seconds that rank was blocked on a collective in "
                       "them; exposed reduce / gather: those seconds (the communication that did not overlap; "
                       "zeroshard's ledger; a peer's are inside its phases: -); other: the rest of the step "
                       "(from the barrier). Each column is a median, so they need not add up exactly.",

@@ -4,9 +4,10 @@ over plain dicts (what the JSON holds), so tests can recompute every figure.
 
 Step time: per step the slowest rank's time (barrier to end of optimizer step); median,
 min and max over the measured steps. Tokens/s: tokens of one global batch / median.
-Phases: rank 0's forward, backward and optimizer-step seconds of each measured step, its own
-step time, and for zeroshard and the floor the seconds it was blocked on collectives in each
-(`phase_breakdown`: where rank 0's step goes, beside the compute floor's). With --rounds, a
+Phases: for each measured step, the forward, backward and optimizer-step seconds of the rank that
+set its time (the slowest), that step time, and for zeroshard and the floor the seconds that rank
+was blocked on collectives in each (`phase_breakdown`: where a step goes, beside the compute
+floor's). With --rounds, a
 system's rows of every round are pooled into one (`pool_rounds`).
 """
 
@@ -73,10 +74,16 @@ def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) 
         "peak_rss_reset": all(r["peak_rss_reset"] for r in per_rank),
         "model_states": [r["model_states"] for r in per_rank],
         "losses": losses, "init_s": r0["init_s"],
-        "phases_s": {k: [p[i] for p in r0["phases_s"][warm:]] for i, k in enumerate(("fwd", "bwd", "opt"))},
     }
-    row["phases_s"]["step"] = r0["step_times_s"][warm:]
-    waits = r0.get("waits_s", [])[warm:]
+    # where each step goes: the phases of the rank that set its time (the slowest). Another rank's
+    # waits include the time it idled for that one, which the floor (its step is the slowest rank's
+    # too) pays as well, at the next barrier
+    slow = [max(per_rank, key=lambda r: r["step_times_s"][i]) for i in range(len(r0["step_times_s"]))][warm:]
+    row["phases_s"] = {k: [r["phases_s"][i + warm][j] for i, r in enumerate(slow)]
+                       for j, k in enumerate(("fwd", "bwd", "opt"))}
+    row["phases_s"]["step"] = [r["step_times_s"][i + warm] for i, r in enumerate(slow)]
+    row["phases_s"]["rank"] = [r["rank"] for r in slow]
+    waits = [r.get("waits_s", [None] * len(r0["step_times_s"]))[i + warm] for i, r in enumerate(slow)]
     if waits and all(w is not None for w in waits):
         row["phases_s"].update({k: [w[k] for w in waits] for k in _WAITS})
     if "peer_peak" in r0:
@@ -117,12 +124,12 @@ def loss_agreement(rows: dict[str, dict[str, Any]], reference: str = "ddp") -> d
 
 
 def phase_breakdown(row: dict[str, Any]) -> dict[str, float | None]:
-    """Where rank 0's step goes (seconds, each the median over the measured steps, so they need
-    not add up exactly): its own step time from the barrier; forward, backward and optimizer step
-    without the time blocked on collectives in each; that blocked time by kind, reductions and
-    gathers (the communication that did not overlap: zeroshard's ledger, and 0 for the floor);
-    and the rest of the step (loss read-out, hand-offs). A peer's collectives are its own: its
-    exposed columns are None and its phases include them."""
+    """Where a step goes, on the rank that set each step's time (seconds, each the median over the
+    measured steps, so they need not add up exactly): the step time from the barrier; forward,
+    backward and optimizer step without the time blocked on collectives in each; that blocked
+    time by kind, reductions and gathers (the communication that did not overlap: zeroshard's
+    ledger, and 0 for the floor); and the rest of the step (loss read-out, hand-offs). A peer's
+    collectives are its own: its exposed columns are None and its phases include them."""
     ph = row["phases_s"]
     steps = range(len(ph["fwd"]))
     known = all(k in ph for k in _WAITS)
