@@ -41,6 +41,10 @@ Rows (section / what is checked; the verdict is a real assertion, the exit code 
   speed       step time and tokens/s of zeroshard stages 2 and 3 beside torch DDP (bf16 autocast on the
               device) and FSDP2 (bf16 MixedPrecisionPolicy), and DeepSpeed when it imports (CUDA only):
               verdict: every loss finite and each system's first loss within 2 % of DDP's.
+  compile     (issue 44) the plain model with each Block compiled in place, and zeroshard stages 2 and 3
+              through engine.compile(), each beside its eager run (bf16, the speed section's model): no
+              graph break inside a region, no recompile after step 1, first loss within 1 % of eager's,
+              and on CUDA (inductor) a median step below eager's; the quick form: stage 3, aot_eager.
   zeropp      qwZ (int8) / qgZ (int4) block quantize + dequantize throughput on the device (GB/s of
               input), verdict: every element within half a quantization step of its block; and a
               stage 3 run with zero_quantized_weights + zero_quantized_gradients: finite, and within
@@ -50,8 +54,10 @@ What has never run (no GPU was at hand when this was written, 2026-12-02): every
 `--device cuda`: the NCCL 1-rank form, gloo on CUDA tensors, the pinned host tier, the gradient
 staging side stream, CUPTI's copy events in the profiler trace, activation offload's side stream,
 the CUDA memory columns, DDP / FSDP2 / DeepSpeed on CUDA, the quantizer on CUDA and the NCCL wait
-probe. The "<= 8 minutes" is an estimate (~100M models, 4 steps per oracle run; each process form
-is killed at --timeout, 470 s on CUDA). The CPU form (`--device cpu --quick`) runs in the default
+probe; the compile section (2026-12-07) with inductor on CUDA. The "<= 8 minutes" is an estimate
+(~100M models, 4 steps per oracle run; the compile section's six runs, three of them compiling,
+perhaps 2 more; each process form is killed at --timeout, 470 s on CUDA: `--only compile` runs that
+section alone). The CPU form (`--device cpu --quick`) runs in the default
 test suite (tests/test_gpu_check.py) and shares every code path that does not need CUDA (the
 profile's trace export and parsing included; the parser also reads a synthetic CUDA trace there).
 
@@ -748,6 +754,119 @@ def build_system(system, sz, dev):
     raise ValueError(system)
 
 
+def section_compile(ctx):
+    """Issue 44 on the device: each system eager, then compiled: the plain model with every Block
+    compiled in place (what inductor gives without zeroshard), zeroshard stages 2 and 3 through
+    `engine.compile()` (each unit compiled in place, the hooks eager around it). bf16, SGD, the
+    speed section's model and steps. Verdict of a compiled row: finite losses, its first loss
+    within 1 % of the eager run's (same weights, same batch), no graph break inside a region, no
+    graph compiled after the first step, and on CUDA a median step below the eager run's (issue
+    44's "faster than eager"; on a CPU inductor is not faster even on the plain model: shown, not
+    judged). The quick form compiles with aot_eager (no code generation) and runs stage 3 only."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    rows, sz, dev = [], ctx["sz"], the_device(ctx)
+    form = f"{ctx['form']} on {dev}"
+    backend = "aot_eager" if ctx["quick"] else "inductor"
+    n_steps, warm = sz["speed_steps"], sz["speed_warmup"]
+    data = batches("gpt", sz, 1, n_steps + warm)
+    results = {}
+    for system in (("zs3",) if ctx["quick"] else ("plain", "zs2", "zs3")):
+        for compiled in (False, True):
+            name = system + (f" + compile ({backend})" if compiled else " eager")
+            try:
+                torch._dynamo.reset()
+                counters.clear()
+                step, engine = compile_runner(system, compiled, backend, sz, dev)
+                losses, times, graphs_first = [], [], 0
+                for i, (x, y) in enumerate(data):
+                    x, y = x.to(dev), y.to(dev)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    losses.append(step(x, y))
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    if i == 0:
+                        graphs_first = counters["stats"]["unique_graphs"]
+                report = getattr(engine, "compiled", None) if engine is not None else None
+                results[(system, compiled)] = {
+                    "losses": losses, "median": sorted(times[warm:])[len(times[warm:]) // 2], "first_s": times[0],
+                    "graphs_first": graphs_first, "graphs_end": counters["stats"]["unique_graphs"],
+                    "breaks": sum(counters["graph_break"].values()), "noted": dict(report.breaks) if report else {}}
+                if engine is not None:
+                    engine.close()
+                del step, engine
+                release(dev.type)
+            except Exception as exc:
+                rows.append(row("compile", name, form, FAIL, "raised", f"{type(exc).__name__}: {exc}"[:300],
+                                trace=traceback.format_exc()[-2000:]))
+    for (system, compiled), r in results.items():
+        name = system + (f" + compile ({backend})" if compiled else " eager")
+        value = f"{r['median'] * 1e3:.1f} ms/step, first step {r['first_s']:.2f} s"
+        eager = results.get((system, False))
+        if not compiled or eager is None:
+            rows.append(row("compile", name, form, INFO, value, f"median of {n_steps} steps", **r))
+            continue
+        verdict, detail, ratio = compile_verdict(r, eager, system != "plain",
+                                                 judged_speed=dev.type == "cuda" and backend == "inductor")
+        rows.append(row("compile", name, form, verdict, value, detail, ratio_to_eager=ratio, **r))
+    return rows
+
+
+def compile_verdict(r: dict, eager: dict, regions_whole: bool, judged_speed: bool) -> tuple[str, str, float]:
+    """(verdict, detail, compiled / eager median) of one compiled run of section_compile against its
+    eager run; `regions_whole`: zeroshard's regions, where a graph break is a failure."""
+    first_rel = abs(r["losses"][0] - eager["losses"][0]) / max(abs(eager["losses"][0]), 1e-12)
+    problems = []
+    if not all(math.isfinite(v) for v in r["losses"]):
+        problems.append("non-finite loss")
+    if first_rel > 0.01:
+        problems.append(f"first loss {first_rel:.2%} off the eager run's (bound 1 %)")
+    if r["graphs_first"] == 0:
+        problems.append("nothing was compiled")
+    if r["graphs_end"] != r["graphs_first"]:
+        problems.append(f"recompiled after step 1: {r['graphs_first']} -> {r['graphs_end']} graphs")
+    if regions_whole and (r["breaks"] or r["noted"]):
+        problems.append(f"graph breaks: {r['breaks']} {r['noted']}")
+    ratio = r["median"] / eager["median"]
+    if judged_speed and ratio >= 1.0:
+        problems.append(f"not faster than eager ({ratio:.3f}x)")
+    detail = (f"{ratio:.3f}x the eager step ({'judged' if judged_speed else 'shown, not judged, on this device'}); "
+              f"{r['graphs_first']} graphs after step 1, {r['graphs_end']} at the end; first loss {first_rel:.2e} "
+              "off eager")
+    return (FAIL if problems else PASS), "; ".join(problems) or detail, ratio
+
+
+def compile_runner(system, compiled, backend, sz, dev):
+    """(step (x, y) -> loss float, the engine or None) for one bf16 SGD system of section_compile."""
+    model = make_model("gpt", sz)
+    if system == "plain":
+        from zeroshard.bench import peers
+
+        model.to(dev)
+        if compiled:
+            for m in model.modules():
+                if type(m).__name__ == UNIT["gpt"]:
+                    m.compile(backend=backend)
+        return peers.PeerRunner(model, model, torch_opt("sgd", model.parameters()), autocast=True).step, None
+    import zeroshard
+
+    engine = zeroshard.initialize(model, zs_config("gpt", int(system[-1]), "sgd", "bf16", sz))
+    if compiled:
+        engine.compile(backend=backend)
+
+    def step(x, y):
+        loss = loss_of(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        return float(loss.item())
+
+    return step, engine
+
+
 def section_zeropp(ctx):
     import torch
 
@@ -902,9 +1021,9 @@ def section_nccl(ctx):
 
 SECTIONS_1 = {"oracle": section_oracle, "nccl": section_nccl, "offload": section_offload, "nvme": section_nvme,
               "actoffload": section_actoffload, "memory": section_memory, "speed": section_speed,
-              "zeropp": section_zeropp}
+              "compile": section_compile, "zeropp": section_zeropp}
 SECTIONS_2 = {"gloo": section_gloo, "oracle": section_oracle, "zeropp": section_zeropp_engine}
-ALL_SECTIONS = ("oracle", "gloo", "nccl", "offload", "nvme", "actoffload", "memory", "speed", "zeropp")
+ALL_SECTIONS = ("oracle", "gloo", "nccl", "offload", "nvme", "actoffload", "memory", "speed", "compile", "zeropp")
 
 
 # --------------------------------------------------------------------------------------------------

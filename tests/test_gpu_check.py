@@ -26,7 +26,7 @@ import gpu_check  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)  # two spawned forms; a minute or more on a shared 2-core machine
 
-SECTIONS_1 = {"oracle", "nccl", "offload", "nvme", "actoffload", "memory", "speed", "zeropp"}
+SECTIONS_1 = {"oracle", "nccl", "offload", "nvme", "actoffload", "memory", "speed", "compile", "zeropp"}
 
 
 def _run(tmp_path, device: str, *extra: str, timeout: float = 840):
@@ -66,6 +66,10 @@ def test_cpu_form_passes_with_every_section(tmp_path):
     speed = {r["name"]: r for r in one if r["section"] == "speed"}
     assert {n for n, r in speed.items() if r["verdict"] == "PASS"} == {"ddp", "fsdp2", "zs2", "zs3"}
     assert speed["deepspeed"]["verdict"] == "SKIP"
+    compiled = {r["name"]: r for r in one if r["section"] == "compile"}
+    assert set(compiled) == {"zs3 eager", "zs3 + compile (aot_eager)"}
+    assert compiled["zs3 + compile (aot_eager)"]["verdict"] == "PASS"
+    assert "shown, not judged" in compiled["zs3 + compile (aot_eager)"]["detail"]
     # on CPU the copy profile's trace is exported and parsed, and holds no copies
     profiles = [r for r in one if r["name"].endswith("copy profile")]
     assert len(profiles) == 2 and all(r["verdict"] == "PASS" and r["value"] == "0 copies" for r in profiles)
@@ -95,6 +99,18 @@ def test_verdicts_fail_on_wrong_answers():
     nan = {k: v.clone() for k, v in ref.items()}
     nan["a"][0, 0] = float("nan")
     assert gpu_check.judge(nan, init, ref, "sgd", "bf16")[0] == "FAIL"
+
+
+def test_compile_verdict_fails_a_recompile_a_break_and_a_slower_compiled_step():
+    eager = {"losses": [2.0, 1.9], "median": 0.10}
+    good = {"losses": [2.001, 1.9], "median": 0.08, "graphs_first": 4, "graphs_end": 4, "breaks": 0, "noted": {}}
+    assert gpu_check.compile_verdict(good, eager, True, judged_speed=True)[0] == "PASS"
+    for bad in ({"graphs_end": 6}, {"breaks": 1}, {"noted": {"h.0": "a print"}}, {"graphs_first": 0, "graphs_end": 0},
+                {"losses": [2.1, 1.9]}, {"losses": [2.0, float("nan")]}, {"median": 0.11}):
+        assert gpu_check.compile_verdict({**good, **bad}, eager, True, judged_speed=True)[0] == "FAIL", bad
+    slower = {**good, "median": 0.11}
+    assert gpu_check.compile_verdict(slower, eager, True, judged_speed=False)[0] == "PASS"  # a CPU: shown
+    assert gpu_check.compile_verdict({**good, "breaks": 2}, eager, False, judged_speed=True)[0] == "PASS"  # plain
 
 
 def _trace(copy_stream):
