@@ -78,7 +78,9 @@ class EngineSurface:
     # -- ledgers ------------------------------------------------------------------------------
     def comm_stats(self, by_scope: bool = False) -> dict:
         """Per collective: calls, elements (full logical tensor), bytes (as sent: quantized
-        payload + scales where quantized), sent_bytes, seconds. With `by_scope`, the same per
+        payload + scales where quantized), sent_bytes, seconds (issue to the end of the wait),
+        waited (this rank's host blocked in the waits: communication that did not overlap, or a
+        slower rank; ~0 on NCCL, whose waits only order the stream). With `by_scope`, the same per
         scope: {"intra_node": {op: ...}, "inter_node": {op: ...}}; a call on a group whose
         ranks all live on one node (LOCAL_WORLD_SIZE consecutive ranks) is intra-node."""
         return self.comm.ledger.stats(by_scope=by_scope)

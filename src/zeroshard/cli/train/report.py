@@ -44,6 +44,8 @@ class RunRecord:
     steps_run: int = 0  # this run's steps (fewer than len(losses) after --resume)
     skipped: int = 0
     last_comm: dict = field(default_factory=dict)  # comm_stats() of the last step
+    waited: float = 0.0  # seconds this rank was blocked in collectives' waits during this run's steps
+    host_waits: bool = True  # False on NCCL: a wait only orders the CUDA stream, the host never blocks
 
 
 def make_progress(console: Console, total: int, disable: bool) -> Progress:
@@ -101,6 +103,16 @@ def _plain_dp_optimizer(rec: RunRecord, mem: dict[str, int], optimizer_shards: i
     return states * optimizer_shards + (4 * rec.trainable if rec.itemsize < 4 else 0)
 
 
+def _exposed(rec: RunRecord) -> str:
+    """Rank 0's seconds blocked in collectives' waits per step: communication that overlapped with
+    nothing, and time spent waiting for a slower rank (the comm ledger's `waited`)."""
+    if not rec.host_waits:
+        return "not measured on NCCL (the host does not wait; see torch.profiler's timeline)"
+    steps = max(rec.steps_run, 1)
+    return (f"{1000 * rec.waited / steps:,.1f} ms/step on rank 0, {100 * rec.waited / max(rec.seconds, 1e-9):.1f} % "
+            "of the steps' time (blocked in waits: not overlapped, or waiting for a slower rank)")
+
+
 def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shards: int) -> Table:
     mem = per_rank[0]
     held = sum(mem[k] for k in ("params", "grads", "optimizer_states"))
@@ -123,6 +135,7 @@ def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shar
                                    f"{2 * rec.trainable / rec.phi:.3f} x Phi"),
         ("throughput", f"{rec.steps_run * rec.tokens_per_step / max(rec.seconds, 1e-9):,.0f} tokens/s, "
                        f"{rec.seconds:.1f} s for {rec.steps_run} steps"),
+        ("exposed communication", _exposed(rec)),
         ("skipped steps", str(rec.skipped)),
     ]
     for name, value in rows:

@@ -92,7 +92,8 @@ def _record(engine, tm: TrainModel) -> RunRecord:
     ts = engine.train_state
     return RunRecord(label=tm.label, stage=int(ts.settings.zero.stage), world=ts.world_size,
                      backend=ts.comm.topology.backend, phi=sum(p.numel() for p in params),
-                     trainable=sum(p.numel() for p in params if p.requires_grad), itemsize=ts.compute_dtype.itemsize)
+                     trainable=sum(p.numel() for p in params if p.requires_grad), itemsize=ts.compute_dtype.itemsize,
+                     host_waits=not ts.comm.stream_ordered)
 
 
 def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, every: int, console,
@@ -119,6 +120,7 @@ def _loop(engine, tm: TrainModel, tokens, rec: RunRecord, args, start: int, ever
                 total += loss.item() / gas
             rec.losses.append(total)
             rec.last_comm = engine.comm_stats()  # read before the memory gather adds to the ledger
+            rec.waited += sum(s["waited"] for s in rec.last_comm.values())
             rec.seconds = time.perf_counter() - started
             done = step + 1 - start
             progress.update(task, advance=1, loss=total, tps=done * rec.tokens_per_step / rec.seconds)
