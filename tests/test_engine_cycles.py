@@ -56,3 +56,37 @@ def test_twenty_engines_in_one_process_leave_nothing_behind(own_group, stage):
         for counts in (fds, threads):  # no growth; a flap of one or two (seen only under load) allowed
             assert max(counts) - min(counts) <= 2 and median(counts[-5:]) <= median(counts[:5]), (fds, threads)
         assert seen[-1][3] - seen[4][3] < 16 * 1024, [s[3] for s in seen]
+
+
+def _late_closer(rank: int, world: int, stage: int) -> list[float]:
+    """Three engines in turn, each making and destroying the default group; rank 0 closes each one
+    a second after rank 1, which goes straight on to its next engine. Seconds each build took."""
+    import time
+
+    import zeroshard
+    from oracle import MICRO, Case, batch, config_for, loss_of, make_model
+
+    case = Case(model="gpt", stage=stage, optimizer="sgd", steps=1)
+    built = []
+    for i in range(3):
+        started = time.perf_counter()
+        cfg = {**config_for(case, world), "zeroshard": {"comm_timeout_s": 20}}
+        engine = zeroshard.initialize(make_model(case), cfg)
+        built.append(time.perf_counter() - started)
+        x, y = batch(case, i, world)
+        engine.backward(loss_of(engine, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+        engine.step()
+        if rank == 0:
+            time.sleep(1.0)
+        engine.close()
+    return built
+
+
+def test_a_rank_that_closes_late_does_not_hang_the_next_engine():
+    # Before: rank 1's next group joined the rendezvous server of rank 0's closing group, and rank 0's
+    # new server waited for it until the timeout ("1/2 clients joined"): a hang. Now every default
+    # group zeroshard makes rendezvouses on one store kept for the process's life, each under a prefix.
+    late, early = run_ranks(_late_closer, 2, 2, timeout=200)
+    assert all(t < 15 for t in late + early), (late, early)
+    assert all(t > 0.5 for t in early[1:]), early  # rank 1 waited in the rendezvous for rank 0
+

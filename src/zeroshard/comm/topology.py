@@ -192,6 +192,11 @@ class Topology:
 
 
 _created: list[bool] = []  # non-empty while a group zeroshard created is alive
+# The launcher's rendezvous store, kept for the process's life once zeroshard made a default
+# group on it (rank 0 hosts its server unless torchelastic's agent does), and how many default
+# groups this process has made on it: each group rendezvouses under a prefix of its own.
+_store: dict[tuple, Any] = {}
+_made: list[int] = [0]
 _own_groups: list[GroupRef] = []  # groups made on a user's default group, until released
 
 
@@ -215,6 +220,25 @@ def _import_lazy_torch_modules() -> None:
             importlib.import_module(name)
 
 
+def _group_store(timeout: datetime.timedelta) -> tuple[Any, int, int]:
+    """(store, rank, world size) for the next default group zeroshard makes: torch's own env://
+    rendezvous (MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE, torchelastic's agent store when it
+    has one), made once per process and kept, under a prefix per group. A store made and dropped
+    with each group, as init_process_group's own is, lets a rank that closed its engine first
+    start the next group on the server of a rank 0 still closing the last one: rank 1 joins the
+    old server, rank 0's new one waits for it ("1/2 clients joined") until the timeout, a hang
+    for whoever closes and re-creates engines (a notebook, a hyperparameter search)."""
+    key = tuple(os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+    if key not in _store:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        _store[key] = (store, rank, world)
+    store, rank, world = _store[key]
+    store.set_timeout(timeout)
+    _made[0] += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"zeroshard/{restart}/{_made[0]}/", store), rank, world
+
+
 def _destroy_at_exit() -> None:
     """The groups zeroshard created (the default group, or its own groups on a user's default
     group, as under accelerate on CPU) are destroyed before interpreter shutdown even when
@@ -225,6 +249,7 @@ def _destroy_at_exit() -> None:
     if _created and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _created.clear()
+    _store.clear()  # after the groups: rank 0's server goes with its last client's group
     gc.collect()  # a group's gloo threads stop when the group object is freed
 
 
@@ -262,7 +287,9 @@ def setup_topology(timeout_s: float, default_port: int = DEFAULT_PORT, launchers
         device = _device_for(local_rank, backend)
         kwargs = {"device_id": device} if backend == "nccl" else {}
         _import_lazy_torch_modules()
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world_size = _group_store(timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         atexit.unregister(_destroy_at_exit)  # once, however many groups a process makes in turn
         atexit.register(_destroy_at_exit)
         _created[:] = [True]
