@@ -658,8 +658,6 @@ def section_memory(ctx):
 
 
 def section_speed(ctx):
-    import torch
-
     rows, sz, dev = [], ctx["sz"], the_device(ctx)
     form = f"{ctx['form']} on {dev}"
     n_steps, warm = sz["speed_steps"], sz["speed_warmup"]
@@ -674,17 +672,8 @@ def section_speed(ctx):
             if runner is None:
                 rows.append(row("speed", system, form, SKIP, "", "deepspeed does not import"))
                 continue
-            losses, times = [], []
-            for i, (x, y) in enumerate(data):
-                x, y = x.to(dev), y.to(dev)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                losses.append(runner(x, y))
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                if i >= warm:
-                    times.append(time.perf_counter() - t0)
+            losses, times = timed_steps(runner, data, dev)
+            times = times[warm:]
             if getattr(runner, "engine", None) is not None:
                 runner.engine.close()
             del runner
@@ -706,6 +695,26 @@ def section_speed(ctx):
                         f"bf16; first loss {losses[0]:.4f} vs DDP {base:.4f} ({rel:.2%}, bound 2 %); "
                         f"median of {len(losses) - warm} steps", step_s=med, tokens_per_s=tokens / med, losses=losses))
     return rows
+
+
+def timed_steps(step, data, dev, on_first=None) -> tuple[list[float], list[float]]:
+    """(losses, seconds) of `step(x, y)` over the (x, y) batches of `data`, each step timed alone
+    (the CUDA stream synchronized before and after it); `on_first()` runs after the first."""
+    import torch
+
+    losses, times = [], []
+    for i, (x, y) in enumerate(data):
+        x, y = x.to(dev), y.to(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses.append(step(x, y))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        if i == 0 and on_first is not None:
+            on_first()
+    return losses, times
 
 
 def build_system(system, sz, dev):
@@ -779,18 +788,10 @@ def section_compile(ctx):
                 torch._dynamo.reset()
                 counters.clear()
                 step, engine = compile_runner(system, compiled, backend, sz, dev)
-                losses, times, graphs_first = [], [], 0
-                for i, (x, y) in enumerate(data):
-                    x, y = x.to(dev), y.to(dev)
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    losses.append(step(x, y))
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                    if i == 0:
-                        graphs_first = counters["stats"]["unique_graphs"]
+                graphs = []  # unique graphs after the first step
+                losses, times = timed_steps(step, data, dev,
+                                            on_first=lambda: graphs.append(counters["stats"]["unique_graphs"]))
+                graphs_first = graphs[0]
                 report = getattr(engine, "compiled", None) if engine is not None else None
                 results[(system, compiled)] = {
                     "losses": losses, "median": sorted(times[warm:])[len(times[warm:]) // 2], "first_s": times[0],
