@@ -7,8 +7,7 @@ min and max over the measured steps. Tokens/s: tokens of one global batch / medi
 Phases: for each measured step, the forward, backward and optimizer-step seconds of the rank that
 set its time (the slowest), that step time, and for zeroshard and the floor the seconds that rank
 was blocked on collectives in each (`phase_breakdown`: where a step goes, beside the compute
-floor's). With --rounds, a
-system's rows of every round are pooled into one (`pool_rounds`).
+floor's). With --rounds, a system's rows of every round are pooled into one (`pool_rounds`).
 """
 
 from __future__ import annotations
@@ -78,12 +77,11 @@ def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) 
     # where each step goes: the phases of the rank that set its time (the slowest). Another rank's
     # waits include the time it idled for that one, which the floor (its step is the slowest rank's
     # too) pays as well, at the next barrier
-    slow = [max(per_rank, key=lambda r: r["step_times_s"][i]) for i in range(len(r0["step_times_s"]))][warm:]
-    row["phases_s"] = {k: [r["phases_s"][i + warm][j] for i, r in enumerate(slow)]
-                       for j, k in enumerate(("fwd", "bwd", "opt"))}
-    row["phases_s"]["step"] = [r["step_times_s"][i + warm] for i, r in enumerate(slow)]
-    row["phases_s"]["rank"] = [r["rank"] for r in slow]
-    waits = [r.get("waits_s", [None] * len(r0["step_times_s"]))[i + warm] for i, r in enumerate(slow)]
+    slow = [(i, max(per_rank, key=lambda r: r["step_times_s"][i])) for i in range(warm, len(r0["step_times_s"]))]
+    row["phases_s"] = {k: [r["phases_s"][i][j] for i, r in slow] for j, k in enumerate(("fwd", "bwd", "opt"))}
+    row["phases_s"]["step"] = [r["step_times_s"][i] for i, r in slow]
+    row["phases_s"]["rank"] = [r["rank"] for _, r in slow]
+    waits = [r["waits_s"][i] if "waits_s" in r else None for i, r in slow]
     if waits and all(w is not None for w in waits):
         row["phases_s"].update({k: [w[k] for w in waits] for k in _WAITS})
     if "peer_peak" in r0:

@@ -249,7 +249,7 @@ def _destroy_at_exit() -> None:
     if _created and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _created.clear()
-    _store.clear()  # after the groups: rank 0's server goes with its last client's group
+    _store.clear()  # after the groups: the rendezvous store (rank 0: its server) closes last
     gc.collect()  # a group's gloo threads stop when the group object is freed
 
 
