@@ -42,9 +42,11 @@ __all__ = ["free_port", "one_group", "rank_context", "run_ranks"]
 def one_group():
     """One gloo process group for a rank that builds several engines in turn. Each engine then
     makes (and releases) a group of its own on it. Otherwise each engine makes and destroys the
-    default group, and a fast rank's next rendezvous can reach rank 0's old store just before
-    rank 0 tears it down ("Failed to recv, got 0 bytes"), which happened twice in full runs of
-    test_resume_matches_deepspeed_on_two_ranks."""
+    default group: before session 53 a fast rank's next rendezvous could reach rank 0's old store
+    while rank 0 tore it down ("Failed to recv, got 0 bytes" twice in full runs of
+    test_resume_matches_deepspeed_on_two_ranks; a hang in another test). zeroshard now keeps one
+    rendezvous store per process (comm/topology.py, tested in test_engine_cycles); one group is
+    still the cheaper way: no rendezvous per engine."""
     import torch.distributed as dist
 
     made = not dist.is_initialized()
