@@ -107,10 +107,10 @@ def _exposed(rec: RunRecord) -> str:
     """Rank 0's seconds blocked in collectives' waits per step: communication that overlapped with
     nothing, and time spent waiting for a slower rank (the comm ledger's `waited`)."""
     if not rec.host_waits:
-        return "not measured on NCCL (the host does not wait; see torch.profiler's timeline)"
+        return "not measured: NCCL waits do not block the host"
     steps = max(rec.steps_run, 1)
-    return (f"{1000 * rec.waited / steps:,.1f} ms/step on rank 0, {100 * rec.waited / max(rec.seconds, 1e-9):.1f} % "
-            "of the steps' time (blocked in waits: not overlapped, or waiting for a slower rank)")
+    share = 100 * rec.waited / max(rec.seconds, 1e-9)
+    return f"{1000 * rec.waited / steps:,.1f} ms/step, {share:.1f} % of the steps (rank 0's waits)"
 
 
 def summary_table(rec: RunRecord, per_rank: list[dict[str, int]], optimizer_shards: int) -> Table:
