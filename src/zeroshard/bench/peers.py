@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.bench.results import WAITS
 from zeroshard.bench.systems import BenchSystem
 
 __all__ = ["AdamW", "FSDP2Runner", "FloorRunner", "PeerRunner", "TensorCount", "build_peer", "ddp", "deepspeed_engine",
@@ -198,7 +199,7 @@ class FloorRunner(PeerRunner):
     rank trains on its own rows and updates only its share): only its time and memory mean
     anything. `waits` is zero by construction: it never waits on a peer."""
 
-    waits = {"fwd_wait": 0.0, "bwd_wait": 0.0, "opt_wait": 0.0, "reduce_wait": 0.0, "gather_wait": 0.0}
+    waits = dict.fromkeys(WAITS, 0.0)
 
     def _clear_grads(self) -> None:
         self.module.zero_grad(set_to_none=False)

@@ -16,7 +16,7 @@ import statistics
 from typing import Any
 
 __all__ = ["BASELINES", "MiB", "PAIRS", "PHASES", "formula_bytes", "loss_agreement", "merge_ranks", "phase_breakdown",
-           "pool_rounds", "ratios", "stage_phi"]
+           "pool_rounds", "ratios", "stage_phi", "WAITS"]
 
 MiB = 2**20
 
@@ -24,7 +24,8 @@ MiB = 2**20
 BASELINES = ("floor", "ddp")
 # the columns of `phase_breakdown`, in the order they are shown
 PHASES = ("step", "forward", "backward", "exposed_reduce", "exposed_gather", "optimizer", "other")
-_WAITS = ("fwd_wait", "bwd_wait", "opt_wait", "reduce_wait", "gather_wait")
+# the blocked seconds a row carries per step (zeroshard's and the floor's), by phase and by kind
+WAITS = ("fwd_wait", "bwd_wait", "opt_wait", "reduce_wait", "gather_wait")
 
 # ratios of median step times worth reading beside "x DDP": (system, baseline)
 PAIRS = (("zs2", "ds2"), ("zs3", "fsdp2"), ("zs3", "ds3"), ("zs2_offload", "zs2"), ("zs3_offload", "zs3"),
@@ -83,7 +84,7 @@ def merge_ranks(per_rank: list[dict[str, Any]], micro_batch: int, seq_len: int) 
     row["phases_s"]["rank"] = [r["rank"] for _, r in slow]
     waits = [r["waits_s"][i] if "waits_s" in r else None for i, r in slow]
     if waits and all(w is not None for w in waits):
-        row["phases_s"].update({k: [w[k] for w in waits] for k in _WAITS})
+        row["phases_s"].update({k: [w[k] for w in waits] for k in WAITS})
     if "peer_peak" in r0:
         row["peer_peak"] = [r["peer_peak"] for r in per_rank]
     if "ledgers" in r0:
@@ -130,9 +131,9 @@ def phase_breakdown(row: dict[str, Any]) -> dict[str, float | None]:
     collectives are its own: its exposed columns are None and its phases include them."""
     ph = row["phases_s"]
     steps = range(len(ph["fwd"]))
-    known = all(k in ph for k in _WAITS)
+    known = all(k in ph for k in WAITS)
     zero = [0.0] * len(ph["fwd"])
-    w = {k: ph[k] if known else zero for k in _WAITS}
+    w = {k: ph[k] if known else zero for k in WAITS}
     per_step = {
         "step": ph.get("step", [ph["fwd"][i] + ph["bwd"][i] + ph["opt"][i] for i in steps]),
         "forward": [ph["fwd"][i] - w["fwd_wait"][i] for i in steps],
