@@ -9,7 +9,7 @@ docs/configs/ and the repository. A page's commands run in order in one scratch 
 HTML comments on a page, invisible when it is rendered, prepare the next command shown:
 
     <!-- doc-test: setup zeroshard train --model mini --steps 5 --save ckpt -->   (a shell command, run once)
-    <!-- doc-test: slow -->          (a long command: run by `pytest -m slow` only)
+    <!-- doc-test: slow -->          (a long block: its commands run by `pytest -m slow` only)
 
 Figures are compared exactly, except (stated tolerances):
 - a number followed by a unit of time or rate (`s`, `ms`, `tokens/s`, `tok/s`, `it/s`) is a
@@ -69,6 +69,8 @@ def examples(pages=PAGES) -> list[Example]:
         while i < len(lines):
             if lines[i].startswith("```"):
                 in_block = not in_block
+                if not in_block:
+                    slow = False  # `slow` marks every command of the block it precedes
                 i += 1
                 continue
             directive = None if in_block else DIRECTIVE.search(lines[i])
@@ -90,7 +92,7 @@ def examples(pages=PAGES) -> list[Example]:
                 while end > i + 1 and not lines[end - 1].strip():  # blank lines between two commands
                     end -= 1
                 found.append(Example(page, start + 1, argv, lines[i + 1:end], (i + 1, end), setup, slow))
-                setup, slow = [], False
+                setup = []
                 i = j
                 continue
             i += 1

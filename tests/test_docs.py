@@ -2,7 +2,7 @@
 train ...` shown in README.md and docs/ is run and its output compared with the page: exactly
 where the command is deterministic, timings within a factor of 4 and `~N` figures within 5 %
 (tests/doc_examples.py says why). Pages prepare what a command needs (a checkpoint to inspect)
-with `<!-- doc-test: setup ... -->` comments; a long command is marked `<!-- doc-test: slow -->`
+with `<!-- doc-test: setup ... -->` comments; a long block is marked `<!-- doc-test: slow -->`
 and runs under `-m slow`. When a change moves a figure, `python tests/doc_examples.py --update`
 rewrites the shown output, and the prose around it is the author's to check."""
 

@@ -27,6 +27,8 @@ def _close(got: list[float], want: list[float]) -> None:
     assert all(abs(a - b) <= REL * abs(b) for a, b in zip(got, want)), (got, want)
 
 
+@pytest.mark.slow  # two launches (~33 s). Its short form: tests/test_trl_deepspeed.py's DPO-sync tests, the
+# same TRL Trainer at ZeRO-3 through transformers' DeepSpeed integration, plus a reference engine
 def test_sft_trainer_at_zero3_equals_ddp(tmp_path):
     zero3, ddp = _both("trl_sft.py", ["--steps", "3"], tmp_path)
     _close(zero3["losses"], ddp["losses"])
