@@ -145,7 +145,7 @@ class _Runs:
         return work, proc.returncode, proc.stdout, proc.stderr
 
     def _resume(self):
-        self[3]
+        self[3]  # the stage-3 launch writes the checkpoint resumed here
         work = self.base / "resume"
         work.mkdir()
         (work / "ds_config.json").write_text(json.dumps(_ds_config(1, world_size=1)))
