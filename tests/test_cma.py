@@ -3,7 +3,9 @@ gloo carrying only addresses, sizes and acknowledgements. On 3 ranks: the direct
 (all-gather, reduce-scatter, reduce-scatter of pieces) give what they give over TCP, no
 message larger than the descriptors goes through gloo, a pair without the channel keeps TCP
 beside pairs with it, `ZEROSHARD_CMA=0` on one rank turns it off for its pairs without a hang,
-and a peer whose descriptor does not match what was posted is a CommError, not a wrong result."""
+a peer whose descriptor does not match what was posted is a CommError, not a wrong result, and
+what a rank sent in a collective it left early (a stop signal during a checkpoint's exchange)
+stays readable for the peer that copies it later."""
 
 from __future__ import annotations
 
@@ -126,3 +128,45 @@ def test_a_size_mismatch_is_a_comm_error():
         pytest.skip("this machine does not let its processes read each other (ptrace policy)")
     assert "mismatched" in texts[1] and "were expected" in texts[1], texts[1]
     assert "reduce_scatter of 10 float32 elements (mismatched)" in texts[0], texts[0]
+
+
+def _abandon_worker(rank: int, world_size: int):
+    import gc
+    import time
+
+    from zeroshard.comm import Comm, CommLedger, setup_topology
+
+    topology = setup_topology(30.0)
+    comm = Comm(topology, CommLedger(world_size), 30.0)
+    comm.all_gather(torch.empty(4), torch.ones(2), what="probe").wait()
+    if next(iter(comm._channels.values())) is None:
+        return "no channel"
+    n, every, reused = 1024, torch.empty(2 * 1024), None
+    if rank == 1:
+        out = torch.empty(2 * n)  # what an all-gather sends is this rank's chunk of its output
+        handle = comm.all_gather(out, torch.full((n,), 7.0), what="left early")
+        address = out.data_ptr()
+        del out, handle  # as a stop signal raised out of wait() leaves it: rank 0 has not copied yet
+        gc.collect()
+        reuse = [torch.full((2 * n,), -1.0) for _ in range(16)]  # what would be written where it lay
+        reused = any(t.data_ptr() == address for t in reuse)
+    else:
+        time.sleep(1.0)  # rank 1 has left the collective by now
+        comm.all_gather(every, torch.full((n,), 3.0), what="left early").wait()
+    dist.barrier()  # rank 1 stays alive until rank 0 has copied
+    comm.close()
+    topology.destroy()
+    return {"reused": reused, "from rank 1": every[n:].unique().tolist()}
+
+
+def test_what_a_rank_sent_before_leaving_a_collective_stays_readable():
+    """Rank 1 drops its all-gather unwaited (a stop signal in a checkpoint's record exchange,
+    session 54: rank 0 then decoded garbage) and reuses memory; rank 0 copies 1 s later and reads
+    exactly what rank 1 sent: an abandoned collective's sent tensors live until the peers acknowledge."""
+    if not _available():
+        pytest.skip("cross-memory attach is Linux's")
+    got = run_ranks(_abandon_worker, 2, timeout=120)
+    if "no channel" in got:
+        pytest.skip("this machine does not let its processes read each other (ptrace policy)")
+    assert got[1]["reused"] is False, got  # its memory was not handed out again
+    assert got[0]["from rank 1"] == [7.0], got

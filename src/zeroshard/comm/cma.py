@@ -23,6 +23,7 @@ ptrace setting alone).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import os
@@ -110,22 +111,50 @@ class _Job:
         self.acks: list = []  # the acknowledgement sends, with their tensors
 
 
+class _Abandoned:
+    """A collective this rank left before every peer had copied what it sent (a stop signal or an
+    error raised out of wait(), a handle dropped unwaited). Its tensors and works stay alive until
+    the peers acknowledge, in the channel's thread: freed at once, their memory would be reused
+    and a peer would copy whatever was written there next (a torn record, a wrong gradient)."""
+
+    def __init__(self, keep: list, ack_recvs: list) -> None:
+        self.keep, self.ack_recvs = keep, ack_recvs
+
+
+_KEPT_AT_EXIT: list[list] = []  # abandoned at interpreter shutdown, when no thread can start
+
+
 class CmaWork:
     """What `Handle.wait()` waits on for one collective's intra-host part (gloo's work interface)."""
 
-    def __init__(self, job: _Job, ack_recvs: list, keep: list) -> None:
-        self._job, self._ack_recvs, self._keep = job, ack_recvs, keep
+    def __init__(self, job: _Job, ack_recvs: list, keep: list, channel: "CmaChannel") -> None:
+        self._job, self._ack_recvs, self._keep, self._channel = job, ack_recvs, keep, channel
 
     def wait(self, timeout=None) -> bool:
-        seconds = None if timeout is None else timeout.total_seconds()
-        if not self._job.done.wait(seconds):
-            raise RuntimeError("intra-host copy timed out waiting for a peer's message")
-        if self._job.error is not None:
-            raise self._job.error
-        for work in self._ack_recvs:  # every peer has copied what this rank sent
-            work.wait(timeout) if timeout is not None else work.wait()
+        try:
+            seconds = None if timeout is None else timeout.total_seconds()
+            if not self._job.done.wait(seconds):
+                raise RuntimeError("intra-host copy timed out waiting for a peer's message")
+            if self._job.error is not None:
+                raise self._job.error
+            for work in self._ack_recvs:  # every peer has copied what this rank sent
+                work.wait(timeout) if timeout is not None else work.wait()
+        except BaseException:
+            self._abandon()
+            raise
         self._keep.clear()
         return True
+
+    def _abandon(self) -> None:
+        if self._keep:
+            keep, self._keep = self._keep, []
+            try:
+                self._channel._submit(_Abandoned(keep, self._ack_recvs))
+            except RuntimeError:  # interpreter shutdown: no new thread; keep them to the end
+                _KEPT_AT_EXIT.append(keep)
+
+    def __del__(self) -> None:
+        self._abandon()  # dropped without a successful wait()
 
 
 class CmaChannel:
@@ -208,7 +237,7 @@ class CmaChannel:
             self._submit(job)
         else:
             job.done.set()
-        return CmaWork(job, ack_recvs, keep)
+        return CmaWork(job, ack_recvs, keep, self)
 
     def _submit(self, job: _Job) -> None:
         with self._lock:
@@ -229,6 +258,12 @@ class CmaChannel:
                 continue
             if job is None:
                 return
+            if isinstance(job, _Abandoned):
+                for work in job.ack_recvs:  # the peers copied what it sent, or gave up: then let go
+                    with contextlib.suppress(Exception):
+                        work.wait(datetime.timedelta(seconds=self.timeout_s))
+                job = None
+                continue
             try:
                 if self._broken is not None:
                     raise self._broken
