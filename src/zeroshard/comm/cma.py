@@ -12,7 +12,8 @@ Semantics are gloo's: a collective's `wait()` returns once this rank's receives 
 every peer has copied what this rank sent, so its buffers may then be reused. The copies are done
 by one thread per channel, in the order the collectives were issued (the same on every rank, as
 the tags of comm/direct.py already require), so no rank depends on the order in which its
-peers wait.
+peers wait. A collective this rank leaves early (a stop signal or an error out of `wait()`) keeps
+what it sent alive until the peers have copied it, so none of them reads reused memory.
 
 A pair of ranks uses it only where both read each other in a probe at the group's first direct
 collective (same host, the same user, ptrace allowed: no Yama, or its `ptrace_scope` 0, or 1,
