@@ -99,15 +99,24 @@ def test_intra_host_copies_equal_tcp(mode, tcp):
             assert biggest <= 2 * 8 * 2, biggest
 
 
-def _mismatch_worker(rank: int, world_size: int):
+def _probed(world_size: int, timeout_s: float):
+    """(topology, Comm) after a first all-gather has probed the channel; None where the ranks
+    cannot read each other."""
     from zeroshard.comm import Comm, CommLedger, setup_topology
-    from zeroshard.policies import CommError
 
     topology = setup_topology(30.0)
-    comm = Comm(topology, CommLedger(world_size), 5.0)
+    comm = Comm(topology, CommLedger(world_size), timeout_s)
     comm.all_gather(torch.empty(4), torch.ones(2), what="probe").wait()
-    if next(iter(comm._channels.values())) is None:
+    return (topology, comm) if next(iter(comm._channels.values())) is not None else None
+
+
+def _mismatch_worker(rank: int, world_size: int):
+    from zeroshard.policies import CommError
+
+    probed = _probed(world_size, 5.0)
+    if probed is None:
         return "no channel"
+    comm = probed[1]
     cut = 6 if rank == 0 else 7  # the ranks disagree on the pieces' sizes (a bug upstream), not their count
     try:
         comm.reduce_scatter_pieces(torch.empty(5), [(0, torch.ones(cut)), (cut, torch.ones(10 - cut))],
@@ -134,13 +143,10 @@ def _abandon_worker(rank: int, world_size: int):
     import gc
     import time
 
-    from zeroshard.comm import Comm, CommLedger, setup_topology
-
-    topology = setup_topology(30.0)
-    comm = Comm(topology, CommLedger(world_size), 30.0)
-    comm.all_gather(torch.empty(4), torch.ones(2), what="probe").wait()
-    if next(iter(comm._channels.values())) is None:
+    probed = _probed(world_size, 30.0)
+    if probed is None:
         return "no channel"
+    topology, comm = probed
     n, every, reused = 1024, torch.empty(2 * 1024), None
     if rank == 1:
         out = torch.empty(2 * n)  # what an all-gather sends is this rank's chunk of its output
