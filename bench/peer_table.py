@@ -16,7 +16,8 @@ import os
 import statistics
 import sys
 
-RATIOS = [("zs2", "floor"), ("zs3", "floor"), ("ddp", "floor"), ("zs3", "zs2"), ("zs2", "ddp"), ("zs2", "ds2"), ("zs3", "fsdp2"), ("zs3", "ds3"), ("zs2_offload", "zs2"),
+RATIOS = [("zs2", "floor"), ("zs3", "floor"), ("ddp", "floor"), ("zs3", "zs2"),
+          ("zs2", "ddp"), ("zs2", "ds2"), ("zs3", "fsdp2"), ("zs3", "ds3"), ("zs2_offload", "zs2"),
           ("zs3_offload", "zs3"), ("zs2_offload", "ds2_offload"), ("zs3_offload", "ds3_offload"),
           ("zs0", "ddp"), ("zs1", "ddp")]
 
