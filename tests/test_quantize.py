@@ -7,12 +7,20 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zeroshard.comm import QUANT_BLOCK_SIZE, dequantize, plan_blocks, quantize
 
 QMAX = {8: 127, 4: 7}
+
+
+# The kernels scale a value by 1/scale (scale = absmax/qmax): three fp32 roundings, so x/step is
+# off by up to ~3 ulp of qmax, and the dequantize and the difference round once more each. A value
+# within that of a half step may round to its far neighbour: the error then exceeds half a step by
+# up to ~5 qmax ulp of a step, relative 10 qmax ulp of the half step (7.6e-5 for int8).
+def _rounding_slack(bits: int) -> float:
+    return 10 * QMAX[bits] * 2.0 ** -24
 
 
 def _block_bound(x: torch.Tensor, blocks) -> torch.Tensor:
@@ -27,6 +35,7 @@ def _block_bound(x: torch.Tensor, blocks) -> torch.Tensor:
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 5000), rows=st.integers(1, 3), bits=st.sampled_from([8, 4]),
        log_scale=st.floats(-20, 30), seed=st.integers(0, 2**16), max_block=st.sampled_from([64, 2048]))
+@example(n=660, rows=3, bits=8, log_scale=-4.9921875, seed=23592, max_block=64)  # x/step = -87.4999926, rounded to -88
 def test_error_within_half_a_step_of_its_block(n, rows, bits, log_scale, seed, max_block):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=g) * math.exp(log_scale)
@@ -39,7 +48,7 @@ def test_error_within_half_a_step_of_its_block(n, rows, bits, log_scale, seed, m
     y = dequantize(q, scales, blocks)
     err = (y - x).abs()
     bound = _block_bound(x, blocks)
-    assert bool((err <= bound * (1 + 1e-5) + 1e-30).all()), (err - bound).max().item()
+    assert bool((err <= bound * (1 + _rounding_slack(bits)) + 1e-30).all()), ((err - bound) / bound).max().item()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
