@@ -54,6 +54,21 @@ def train_a_little(stage: int = 2, steps: int = 2):
     return engine
 
 
+def _settled_count(threads, steady_s: float = 0.25, limit_s: float = 10.0) -> int:
+    """How many `threads()` there are once the count has held for `steady_s`: a new gloo thread
+    names itself after it starts (until then it carries the process's name), so a count taken
+    right after the group's first collective missed one of the user's group's three once."""
+    import time
+
+    count, since, start = len(threads()), time.monotonic(), time.monotonic()
+    while time.monotonic() - since < steady_s and time.monotonic() - start < limit_s:
+        time.sleep(0.02)
+        now = len(threads())
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def _user_group_threads_at_exit() -> None:
     """`--user-group`: the script makes the default group itself (as accelerate does on CPU),
     so zeroshard runs on a group of its own; registered before zeroshard's exit handler, this
@@ -63,8 +78,8 @@ def _user_group_threads_at_exit() -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    dist.barrier()  # the group's threads are all up after its first collective
-    users = len(gloo_threads())
+    dist.barrier()
+    users = _settled_count(gloo_threads)
     rank = dist.get_rank()
 
     def report():
