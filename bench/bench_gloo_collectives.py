@@ -6,7 +6,8 @@
 torch's gloo `all_gather_into_tensor` gathers into a new flat tensor and copies every chunk
 out on gloo's thread; its `reduce_scatter_tensor` all-reduces a clone of the whole input.
 zeroshard's `Comm` sends each chunk straight to the rank that needs it (point-to-point,
-tagged). Each row: the same tensor, 3 warm-up and --reps timed calls issued and waited one
+tagged). The last row copies what each collective brings into this rank ((N-1)/N of the
+tensor) within the process: the floor of any transfer on this machine. Each row: the same tensor, 3 warm-up and --reps timed calls issued and waited one
 at a time, one intra-op thread per rank; wall time per call (median over rounds of the
 mean of --reps calls, spread min-max) and this process's CPU time per call (all threads,
 os.times). Rounds alternate the variants so drift of the machine lands on each alike.
@@ -36,6 +37,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from zeroshard.comm import Comm, CommLedger, setup_topology
+    from zeroshard.partition import MemoryLedger
+    from zeroshard.partition.buffer_pool import BufferPool
     import torch.distributed as dist
 
     # torch's own collectives, timed beside zeroshard's (a benchmark may call them; src/ may not)
@@ -43,12 +46,14 @@ def main() -> None:
     _RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     topology = setup_topology(120.0)
-    comm = Comm(topology, CommLedger(topology.world_size), 120.0)
+    # scratch from a BufferPool as the engine's Comm has it (a fresh receive buffer each call re-faults)
+    comm = Comm(topology, CommLedger(topology.world_size), 120.0, pool=BufferPool(MemoryLedger()))
     rank, n = dist.get_rank(), dist.get_world_size()
     numel = int(args.mib * 2**20 / 4) // n * n
     shard = numel // n
     full = torch.randn(numel)
     out = torch.empty(shard)
+    received = torch.empty((n - 1) * shard)
 
     variants = {
         "all-gather, torch gloo": lambda: _AG(
@@ -56,6 +61,10 @@ def main() -> None:
         "all-gather, zeroshard": lambda: comm.all_gather(full, full[rank * shard:(rank + 1) * shard]).wait(),
         "reduce-scatter, torch gloo": lambda: _RS(out, full, async_op=True).wait(),
         "reduce-scatter, zeroshard": lambda: comm.reduce_scatter(out, full).wait(),
+        # the bytes either collective brings into this rank, copied within the process: no
+        # collective moves them faster on this machine (cross-process reads cost more per byte)
+        "local copy of the same bytes": lambda: torch.cat([full[p * shard:(p + 1) * shard] for p in range(n) if p != rank],
+                                                          out=received),
     }
     wall: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
