@@ -7,10 +7,10 @@ torch's gloo `all_gather_into_tensor` gathers into a new flat tensor and copies 
 out on gloo's thread; its `reduce_scatter_tensor` all-reduces a clone of the whole input.
 zeroshard's `Comm` sends each chunk straight to the rank that needs it (point-to-point,
 tagged). The last row copies what each collective brings into this rank ((N-1)/N of the
-tensor) within the process: the floor of any transfer on this machine. Each row: the same tensor, 3 warm-up and --reps timed calls issued and waited one
-at a time, one intra-op thread per rank; wall time per call (median over rounds of the
-mean of --reps calls, spread min-max) and this process's CPU time per call (all threads,
-os.times). Rounds alternate the variants so drift of the machine lands on each alike.
+tensor) within the process: the floor of any transfer on this machine. Each row: the same
+tensor, 3 warm-up and --reps timed calls issued and waited one at a time, one intra-op thread
+per rank; wall time per call (median over rounds of the mean of --reps calls, spread min-max)
+and this process's CPU time per call (all threads, os.times). Rounds alternate the variants so drift of the machine lands on each alike.
 """
 
 from __future__ import annotations
